@@ -1,0 +1,209 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/cmd/internal/cli"
+	"github.com/rblk/rblk/initiator"
+	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/transport/providers"
+)
+
+func newRootCmd() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "rblk-attach",
+		Short:         "Attach rblk volumes on this host",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.AddCommand(newAttachCmd(), newListCmd())
+	return root
+}
+
+type attachFlags struct {
+	target, export, transport, nbdListen, metrics, logFormat string
+	readOnly, debug                                          bool
+}
+
+func newAttachCmd() *cobra.Command {
+	var f attachFlags
+	cmd := &cobra.Command{
+		Use:   "attach --target HOST:PORT --export NAME --nbd-listen unix:PATH|tcp:HOST:PORT",
+		Short: "Attach a volume and serve it over NBD until SIGINT or SIGTERM",
+		Long: `Attach opens a volume on an rblk target and serves it as an NBD export,
+by the volume's name and as the default export. Reads are one-sided RDMA READs
+from the target's memory, writes RDMA WRITEs followed by a Done message.
+On SIGINT or SIGTERM it stops taking NBD requests, finishes those in flight,
+flushes the volume and detaches.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return attach(f) },
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.target, "target", "", "rblkd address HOST:PORT (required)")
+	fl.StringVar(&f.export, "export", "", "volume name (required)")
+	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
+	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (required)")
+	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
+	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
+	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
+	fl.BoolVar(&f.debug, "debug", false, "debug logs")
+	return cmd
+}
+
+// listenNBD parses unix:PATH or tcp:HOST:PORT and listens there.
+func listenNBD(spec string) (net.Listener, error) {
+	network, addr, ok := strings.Cut(spec, ":")
+	if !ok || addr == "" || (network != "unix" && network != "tcp") {
+		return nil, fmt.Errorf("--nbd-listen %q: want unix:PATH or tcp:HOST:PORT", spec)
+	}
+	if network == "unix" {
+		// A socket file left by an earlier run that nobody listens on.
+		if c, err := net.DialTimeout("unix", addr, time.Second); err == nil {
+			c.Close()
+			return nil, fmt.Errorf("--nbd-listen %s: another process is serving on it", spec)
+		}
+		if st, err := os.Lstat(addr); err == nil && st.Mode()&os.ModeSocket != 0 {
+			os.Remove(addr)
+		}
+	}
+	l, err := net.Listen(network, addr)
+	if err != nil {
+		return nil, fmt.Errorf("--nbd-listen %s: %w", spec, err)
+	}
+	return l, nil
+}
+
+func attach(f attachFlags) error {
+	switch {
+	case f.target == "":
+		return errors.New("--target HOST:PORT is required")
+	case f.export == "":
+		return errors.New("--export NAME is required")
+	case f.nbdListen == "":
+		return errors.New("--nbd-listen unix:PATH or tcp:HOST:PORT is required")
+	}
+	log, err := cli.NewLogger(f.logFormat, f.debug)
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+	p, why, err := providers.Open(f.transport)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := cli.SignalContext()
+	defer cancel()
+	reg := cli.NewRegistry()
+	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log)
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
+	ln, err := listenNBD(f.nbdListen)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+
+	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
+	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export,
+		ReadOnly: f.readOnly, Logger: log, Metrics: initiator.NewMetrics(reg)})
+	ocancel()
+	if err != nil {
+		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
+	}
+	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{vol.NBDExport(f.export)}, Logger: log,
+		Metrics: nbd.NewMetrics(reg)})
+	if err != nil {
+		vol.Close(context.Background())
+		return err
+	}
+	log.Info("attached", zap.String("export", f.export), zap.String("target", f.target), zap.String("transport", why),
+		zap.String("nbd", f.nbdListen), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()))
+
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ctx, ln) }()
+	var runErr error
+	select {
+	case <-ctx.Done():
+		log.Info("detaching: finishing requests in flight and flushing")
+	case <-vol.Done():
+		runErr = fmt.Errorf("lost the session with %s: %w", f.target, vol.Err())
+		log.Error("target session down", zap.Error(vol.Err()))
+	case err := <-serveErr:
+		runErr = err
+		serveErr <- nil
+	}
+	srv.Close()
+	<-serveErr
+	cctx, ccancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer ccancel()
+	if err := vol.Close(cctx); err != nil && runErr == nil {
+		runErr = fmt.Errorf("detach: %w", err)
+	}
+	if runErr == nil {
+		log.Info("detached cleanly")
+	}
+	return runErr
+}
+
+func newListCmd() *cobra.Command {
+	var target, transport string
+	cmd := &cobra.Command{
+		Use:   "list --target HOST:PORT",
+		Short: "List a target's exports with size and mode",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if target == "" {
+				return errors.New("--target HOST:PORT is required")
+			}
+			p, _, err := providers.Open(transport)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+			defer cancel()
+			exports, err := initiator.List(ctx, p, target)
+			if err != nil {
+				return err
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
+			fmt.Fprintln(w, "NAME\tSIZE\tBYTES\tMODE")
+			for _, e := range exports {
+				mode := "rw"
+				if e.Flags&protocol.VolReadOnly != 0 {
+					mode = "ro"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%d\t%s\n", e.Name, humanSize(e.Size), e.Size, mode)
+			}
+			return w.Flush()
+		},
+	}
+	cmd.Flags().StringVar(&target, "target", "", "rblkd address HOST:PORT (required)")
+	cmd.Flags().StringVar(&transport, "transport", "auto", "transport: "+providers.Names)
+	return cmd
+}
+
+func humanSize(n uint64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%dB", n)
+	}
+	div, exp := uint64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f%ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}

@@ -1,0 +1,29 @@
+// Package initiator is the client side of rblk: it opens a remote volume on
+// a target and serves it as an NBD export (package initiator/nbd), so that
+// qemu, fio, nbdfuse or the kernel's /dev/nbdX can use it as a block device.
+//
+// Data never passes through the target's CPU. The initiator keeps a table
+// of grants: for each chunk of the volume it uses, the address, rkey, length
+// and generation under which the target registered the chunk in its memory.
+// A read is an RDMA READ from the chunk into a registered buffer; a write is
+// an RDMA WRITE into the chunk followed by a Done message naming the range;
+// FUA and flush wait for the target to make ranges durable; trim and
+// write-zeroes are requests the target's CPU carries out.
+//
+// A chunk without a grant is asked for on first use. When the target needs
+// the memory back it revokes the grant: new IO stops using it, IO in flight
+// finishes (and sends its Done), then the initiator acknowledges, and later
+// IO asks again.
+//
+// # Usage
+//
+//	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: addr, Export: "vol0"})
+//	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{v.NBDExport("vol0")}})
+//	go srv.Serve(ctx, listener)
+//	...
+//	srv.Close()
+//	v.Close(ctx) // flushes, then closes the session
+//
+// The caller must close the NBD server before the volume, and should watch
+// Done: once the session with the target is down every IO fails.
+package initiator

@@ -1,0 +1,46 @@
+package initiator
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the initiator's Prometheus collectors, namespace "rblk_attach".
+type Metrics struct {
+	rdmaOps        *prometheus.CounterVec
+	rdmaBytes      *prometheus.CounterVec
+	rdmaSeconds    *prometheus.HistogramVec
+	grantRequests  prometheus.Counter
+	grantSeconds   prometheus.Histogram
+	revokes        prometheus.Counter
+	grantsHeld     prometheus.Gauge
+	controlSeconds *prometheus.HistogramVec
+	errors         *prometheus.CounterVec
+	sessions       prometheus.Gauge
+}
+
+// NewMetrics creates the collectors and registers them with reg (if not nil).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	const ns = "rblk_attach"
+	buckets := prometheus.ExponentialBuckets(5e-6, 4, 12)
+	m := &Metrics{
+		rdmaOps: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "rdma_ops_total",
+			Help: "One-sided RDMA operations, by kind (read, write)."}, []string{"op"}),
+		rdmaBytes: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "rdma_bytes_total",
+			Help: "Bytes moved with one-sided RDMA, by kind."}, []string{"op"}),
+		rdmaSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "rdma_duration_seconds",
+			Help: "Time from posting a request's RDMA operations to their completion.", Buckets: buckets}, []string{"op"}),
+		grantRequests: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "grant_requests_total", Help: "Chunk grants asked of the target."}),
+		grantSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "grant_duration_seconds",
+			Help: "Time to get a chunk grant (target load included).", Buckets: buckets}),
+		revokes:    prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Grants the target took back."}),
+		grantsHeld: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "grants_held", Help: "Chunk grants held now."}),
+		controlSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "control_duration_seconds",
+			Help: "Time of control requests to the target (flush, trim, write_zeroes, fua), by kind.", Buckets: buckets}, []string{"op"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "errors_total",
+			Help: "Failed operations, by kind."}, []string{"op"}),
+		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
+			m.grantsHeld, m.controlSeconds, m.errors, m.sessions)
+	}
+	return m
+}

@@ -1,0 +1,297 @@
+package initiator_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/goleak"
+
+	"github.com/rblk/rblk/initiator"
+	"github.com/rblk/rblk/target"
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/tcp"
+)
+
+type rig struct {
+	t    *testing.T
+	tgt  *target.Target
+	reg  *prometheus.Registry
+	addr string
+	p    transport.Provider
+	path string
+	stop func()
+}
+
+// startTarget serves one export of size bytes at path on a loopback port.
+func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool) *rig {
+	t.Helper()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "vol.img")
+	if ro {
+		if err := os.WriteFile(path, bytes.Repeat([]byte{0x42}, int(size)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg := prometheus.NewRegistry()
+	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: size, ReadOnly: ro}},
+		CacheSize: cache, ChunkSize: chunk, Registerer: reg, RevokeTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := tcp.New("tcp")
+	ctx, cancel := context.WithCancel(context.Background())
+	l, err := p.Listen(ctx, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- tg.Serve(ctx, l) }()
+	r := &rig{t: t, tgt: tg, reg: reg, addr: l.Addr(), p: p, path: path}
+	var once sync.Once
+	r.stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("serve: %v", err)
+			}
+			if err := tg.Close(); err != nil {
+				t.Errorf("target close: %v", err)
+			}
+		})
+	}
+	t.Cleanup(r.stop)
+	return r
+}
+
+func (r *rig) open(ro bool) *initiator.Volume {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	v, err := initiator.Open(ctx, initiator.Options{Provider: r.p, Target: r.addr, Export: "vol", ReadOnly: ro})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { v.Close(context.Background()) })
+	return v
+}
+
+func write(t *testing.T, v *initiator.Volume, off uint64, data []byte, fua bool) error {
+	t.Helper()
+	ctx := context.Background()
+	b, err := v.Alloc(ctx, len(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Free(b)
+	p := data
+	for _, s := range b.Segs {
+		p = p[copy(s, p):]
+	}
+	return v.WriteAt(ctx, b, off, fua)
+}
+
+func read(t *testing.T, v *initiator.Volume, off uint64, n int) ([]byte, error) {
+	t.Helper()
+	ctx := context.Background()
+	b, err := v.Alloc(ctx, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Free(b)
+	if err := v.ReadAt(ctx, b, off); err != nil {
+		return nil, err
+	}
+	out := make([]byte, 0, n)
+	for _, s := range b.Segs {
+		out = append(out, s...)
+	}
+	return out, nil
+}
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestRandomIOAgainstModel runs concurrent random reads, writes, trims and
+// write-zeroes over a volume four times the cache, checks every read
+// against a model, then checks the backing file after a flush and after the
+// target closed.
+func TestRandomIOAgainstModel(t *testing.T) {
+	const size, chunk = 4 << 20, 64 << 10
+	r := startTarget(t, size, 1<<20, chunk, false) // cache: 16 chunks, volume: 64
+	v := r.open(false)
+	model := make([]byte, size)
+	// Each worker owns a stripe of the volume, so IO never overlaps.
+	const workers = 8
+	stripe := uint64(size / workers)
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			base := uint64(w) * stripe
+			for i := 0; i < 300; i++ {
+				off := base + rng.Uint64N(stripe-1)
+				n := 1 + rng.Uint64N(min(stripe-(off-base), 3*chunk))
+				switch k := rng.IntN(10); {
+				case k < 4:
+					data := make([]byte, n)
+					for j := range data {
+						data[j] = byte(rng.Uint32())
+					}
+					if err := write(t, v, off, data, k == 0); err != nil {
+						errs <- fmt.Errorf("write %d+%d: %w", off, n, err)
+						return
+					}
+					copy(model[off:], data)
+				case k < 8:
+					got, err := read(t, v, off, int(n))
+					if err != nil {
+						errs <- fmt.Errorf("read %d+%d: %w", off, n, err)
+						return
+					}
+					if !bytes.Equal(got, model[off:off+n]) {
+						errs <- fmt.Errorf("read %d+%d: data differs from what was written", off, n)
+						return
+					}
+				case k == 8:
+					if err := v.Trim(context.Background(), off, n, false); err != nil {
+						errs <- fmt.Errorf("trim: %w", err)
+						return
+					}
+					clear(model[off : off+n])
+				default:
+					if err := v.WriteZeroes(context.Background(), off, n, rng.IntN(2) == 0, false); err != nil {
+						errs <- fmt.Errorf("zero: %w", err)
+						return
+					}
+					clear(model[off : off+n])
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if t.Failed() {
+		return
+	}
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatalf("flush: %v", err)
+	}
+	file, err := os.ReadFile(r.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(file, model) {
+		t.Fatalf("after flush the backing file differs from what was written")
+	}
+	if ev := metric(t, r.reg, "rblkd_cache_evictions_total"); ev == 0 {
+		t.Errorf("no evictions with a volume 4x the cache")
+	}
+	v.Close(context.Background())
+	r.stop()
+}
+
+// metric sums the samples of the counter or gauge called name.
+func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			var sum float64
+			for _, m := range mf.Metric {
+				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+			return sum
+		}
+	}
+	t.Fatalf("metric %s not found", name)
+	return 0
+}
+
+// TestWritesSurviveTargetClose: unflushed writes are written back when the
+// target stops cleanly.
+func TestWritesSurviveTargetClose(t *testing.T) {
+	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
+	v := r.open(false)
+	data := bytes.Repeat([]byte("rblk"), 5000)
+	if err := write(t, v, 12345, data, false); err != nil {
+		t.Fatal(err)
+	}
+	v.Close(context.Background())
+	r.stop()
+	file, err := os.ReadFile(r.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(file[12345:12345+len(data)], data) {
+		t.Fatal("write lost after clean target stop")
+	}
+}
+
+
+func TestReadOnlyRefusesWrites(t *testing.T) {
+	r := startTarget(t, 1<<20, 1<<20, 64<<10, true)
+	ctx := context.Background()
+	_, err := initiator.Open(ctx, initiator.Options{Provider: r.p, Target: r.addr, Export: "vol"})
+	if err == nil || !errors.Is(err, syscall.EPERM) && !bytes.Contains([]byte(err.Error()), []byte("read-only")) {
+		t.Fatalf("rw open of a ro export: %v, want a read-only refusal", err)
+	}
+	v := r.open(true)
+	if err := write(t, v, 0, []byte("x"), false); !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("write on ro volume: %v, want EPERM", err)
+	}
+	got, err := read(t, v, 100, 1000)
+	if err != nil || !bytes.Equal(got, bytes.Repeat([]byte{0x42}, 1000)) {
+		t.Fatalf("read of ro volume: %v", err)
+	}
+}
+
+func TestOutOfRange(t *testing.T) {
+	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
+	v := r.open(false)
+	if _, err := read(t, v, 1<<20-10, 20); !errors.Is(err, syscall.EINVAL) {
+		t.Fatalf("read past the end: %v, want EINVAL", err)
+	}
+	// The session still works.
+	if err := write(t, v, 0, []byte("ok"), true); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestTargetGoneFailsIO: IO after the target went away fails, and does not hang.
+func TestTargetGoneFailsIO(t *testing.T) {
+	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
+	v := r.open(false)
+	if err := write(t, v, 0, []byte("before"), false); err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	select {
+	case <-v.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("volume did not notice the target going away")
+	}
+	if _, err := read(t, v, 0, 10); err == nil {
+		t.Fatal("read after the target stopped succeeded")
+	}
+	if err := v.Flush(context.Background()); err == nil {
+		t.Fatal("flush after the target stopped succeeded")
+	}
+}

@@ -1,0 +1,574 @@
+package link
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/transport"
+)
+
+// Handler receives the messages that are not replies to this side's requests.
+// It runs on the link's completion goroutine: it must not block and must not
+// call Link methods that wait (Request, Send, Reply); it starts a goroutine
+// for anything that does. payload is only valid during the call.
+type Handler func(h protocol.Header, payload []byte)
+
+// Options configure a Link.
+type Options struct {
+	// Handler receives requests and one-way messages from the peer. Required.
+	Handler Handler
+	// RecvBuffers is how many receive buffers this side posts: the credits
+	// the peer starts with. Default 128.
+	RecvBuffers int
+	// SendBuffers is how many control messages may be in flight. Default 128.
+	SendBuffers int
+	// Logger gets one line per link event. Default: no logs.
+	Logger *zap.Logger
+}
+
+func (o *Options) setDefaults() {
+	if o.RecvBuffers <= 0 {
+		o.RecvBuffers = 128
+	}
+	if o.SendBuffers <= 0 {
+		o.SendBuffers = 128
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+}
+
+// Errors of a Link.
+var (
+	// ErrDown is returned by every call once the link broke or was closed.
+	ErrDown = errors.New("link down")
+	// ErrUnexpectedReply is returned by Request when the reply has the wrong type.
+	ErrUnexpectedReply = errors.New("unexpected reply type")
+)
+
+// wrid kinds, in the top byte of a work request ID.
+const (
+	kindRecv = 1 << 56
+	kindSend = 2 << 56
+	kindRDMA = 3 << 56
+	kindMask = 0xff << 56
+)
+
+// Op is one one-sided operation of a batch.
+type Op struct {
+	// Write is true for RDMA WRITE, false for RDMA READ.
+	Write bool
+	// Local is the local buffer (destination of a READ, source of a WRITE).
+	Local transport.SGE
+	// Addr and RKey name the peer's memory.
+	Addr uint64
+	RKey uint32
+}
+
+type batch struct {
+	pending int
+	err     error
+	done    chan struct{}
+	wrs     []transport.WorkRequest
+}
+
+type waiter struct {
+	tag   uint64
+	reply protocol.Message
+	err   error
+	done  chan struct{}
+}
+
+// Link is one connection of the rblk control protocol.
+type Link struct {
+	conn transport.Conn
+	opts Options
+	log  *zap.Logger
+
+	mem        *transport.Memory
+	recvRegion transport.Region
+	sendRegion transport.Region
+
+	mu           sync.Mutex
+	cond         *sync.Cond // signalled when credits, send slots, or down change
+	credits      int        // SENDs the peer can take
+	toReturn     int        // receive buffers re-posted and not yet announced
+	freeSend     []int      // free send slots
+	nextTag      uint64
+	waiters      map[uint64]*waiter
+	batches      map[uint64]*batch
+	nextBatch    uint64
+	down         error
+	downCh       chan struct{}
+	creditSignal chan struct{}
+
+	closeOnce sync.Once
+	stop      context.CancelFunc
+	wg        sync.WaitGroup
+	batchPool sync.Pool
+	waitPool  sync.Pool
+}
+
+const bufSize = protocol.MaxMessageSize
+
+// New starts a link over conn, whose peer announced peerCredits receive
+// buffers in its hello. It posts opts.RecvBuffers receives before returning;
+// the caller must announce that number to the peer (see HelloFor).
+func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
+	opts.setDefaults()
+	if opts.Handler == nil {
+		return nil, errors.New("link: Options.Handler is required")
+	}
+	l := &Link{conn: conn, opts: opts, log: opts.Logger, credits: peerCredits,
+		waiters: make(map[uint64]*waiter), batches: make(map[uint64]*batch),
+		creditSignal: make(chan struct{}, 1), downCh: make(chan struct{})}
+	l.cond = sync.NewCond(&l.mu)
+	l.batchPool.New = func() any { return &batch{done: make(chan struct{}, 1)} }
+	l.waitPool.New = func() any { return &waiter{done: make(chan struct{}, 1)} }
+	n := opts.RecvBuffers + opts.SendBuffers
+	mem, err := transport.AllocMemory(n*bufSize, false)
+	if err != nil {
+		return nil, fmt.Errorf("link: message buffers: %w", err)
+	}
+	l.mem = mem
+	b := mem.Bytes()
+	if l.recvRegion, err = conn.Register(b[:opts.RecvBuffers*bufSize], transport.AccessLocalWrite); err != nil {
+		mem.Free()
+		return nil, fmt.Errorf("link: register receive buffers: %w", err)
+	}
+	if l.sendRegion, err = conn.Register(b[opts.RecvBuffers*bufSize:], transport.AccessLocalWrite); err != nil {
+		l.recvRegion.Deregister()
+		mem.Free()
+		return nil, fmt.Errorf("link: register send buffers: %w", err)
+	}
+	for i := opts.SendBuffers - 1; i >= 0; i-- {
+		l.freeSend = append(l.freeSend, i)
+	}
+	rrs := make([]transport.RecvRequest, opts.RecvBuffers)
+	for i := range rrs {
+		rrs[i] = transport.RecvRequest{ID: kindRecv | uint64(i), Local: transport.SGE{Region: l.recvRegion, Offset: i * bufSize, Length: bufSize}}
+	}
+	if err := conn.PostRecv(rrs...); err != nil {
+		l.recvRegion.Deregister()
+		l.sendRegion.Deregister()
+		mem.Free()
+		return nil, fmt.Errorf("link: post receives: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	l.stop = cancel
+	l.wg.Add(2)
+	go l.pollLoop(ctx)
+	go l.creditLoop(ctx)
+	return l, nil
+}
+
+// Conn is the underlying transport connection.
+func (l *Link) Conn() transport.Conn { return l.conn }
+
+// Err is nil while the link is up, and why it went down after.
+func (l *Link) Err() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.down
+}
+
+// Done is closed when the link goes down.
+func (l *Link) Done() <-chan struct{} { return l.downCh }
+
+// Close breaks the link: waiting calls return ErrDown, the connection is
+// closed and its completions drained. Safe to call twice; it waits for the
+// link's goroutines.
+func (l *Link) Close() error {
+	l.closeOnce.Do(func() {
+		l.fail(ErrDown)
+		l.conn.Close()
+		l.stop()
+		l.wg.Wait()
+		l.recvRegion.Deregister()
+		l.sendRegion.Deregister()
+		l.mem.Free()
+	})
+	return nil
+}
+
+// fail marks the link down with err and wakes every waiter.
+func (l *Link) fail(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.down != nil {
+		return
+	}
+	if !errors.Is(err, ErrDown) {
+		err = fmt.Errorf("%w: %w", ErrDown, err)
+	}
+	l.down = err
+	close(l.downCh)
+	for tag, w := range l.waiters {
+		w.err = err
+		delete(l.waiters, tag)
+		w.done <- struct{}{}
+	}
+	l.cond.Broadcast()
+}
+
+// acquire takes a send slot and, unless credit is true, a peer credit while
+// keeping one credit in reserve for Credit messages.
+func (l *Link) acquire(ctx context.Context, creditMsg bool) (int, error) {
+	stopWake := context.AfterFunc(ctx, func() {
+		l.mu.Lock()
+		l.cond.Broadcast()
+		l.mu.Unlock()
+	})
+	defer stopWake()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	reserve := 1
+	if creditMsg {
+		reserve = 0
+	}
+	for {
+		if l.down != nil {
+			return 0, l.down
+		}
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		if len(l.freeSend) > 0 && l.credits > reserve {
+			slot := l.freeSend[len(l.freeSend)-1]
+			l.freeSend = l.freeSend[:len(l.freeSend)-1]
+			l.credits--
+			return slot, nil
+		}
+		l.cond.Wait()
+	}
+}
+
+// post encodes m into a send slot and posts it. The caller holds a slot and a credit.
+func (l *Link) post(slot int, tag uint64, m protocol.Message) error {
+	buf := l.sendRegion.Bytes()[slot*bufSize : (slot+1)*bufSize]
+	l.mu.Lock()
+	credits := min(l.toReturn, 0xffff)
+	l.toReturn -= credits
+	out, err := protocol.Append(buf[:0], uint16(credits), tag, m)
+	if err != nil {
+		l.toReturn += credits
+		l.freeSend = append(l.freeSend, slot)
+		l.credits++
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		return fmt.Errorf("encode %v: %w", m.Type(), err)
+	}
+	// Post under the lock so that credits announced and send order agree.
+	err = l.conn.PostSend(transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
+		Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
+	l.mu.Unlock()
+	if err != nil {
+		l.fail(fmt.Errorf("post send: %w", err))
+		return l.Err()
+	}
+	return nil
+}
+
+// Send sends a one-way message (or a reply, with the request's tag).
+// Messages sent by one goroutine arrive in the order sent.
+func (l *Link) Send(ctx context.Context, tag uint64, m protocol.Message) error {
+	slot, err := l.acquire(ctx, false)
+	if err != nil {
+		return err
+	}
+	return l.post(slot, tag, m)
+}
+
+// NewTag returns a tag for a request this side originates.
+func (l *Link) NewTag() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.nextTag++
+	return l.nextTag
+}
+
+// Request sends m and waits for the reply, which is unmarshaled into reply.
+// An ErrorMsg reply is returned as a *protocol.RemoteError. If ctx ends
+// first the request stays sent, and its reply is dropped when it comes.
+func (l *Link) Request(ctx context.Context, m protocol.Message, reply protocol.Message) error {
+	w := l.waitPool.Get().(*waiter)
+	w.reply, w.err = reply, nil
+	l.mu.Lock()
+	if l.down != nil {
+		err := l.down
+		l.mu.Unlock()
+		l.waitPool.Put(w)
+		return err
+	}
+	l.nextTag++
+	w.tag = l.nextTag
+	l.waiters[w.tag] = w
+	l.mu.Unlock()
+
+	if err := l.Send(ctx, w.tag, m); err != nil {
+		l.mu.Lock()
+		_, mine := l.waiters[w.tag]
+		delete(l.waiters, w.tag)
+		l.mu.Unlock()
+		if !mine { // fail() or a reply already signalled it
+			<-w.done
+		}
+		l.waitPool.Put(w)
+		return err
+	}
+	select {
+	case <-w.done:
+		err := w.err
+		w.reply = nil
+		l.waitPool.Put(w)
+		return err
+	case <-ctx.Done():
+		l.mu.Lock()
+		_, mine := l.waiters[w.tag]
+		delete(l.waiters, w.tag)
+		l.mu.Unlock()
+		if !mine {
+			<-w.done // signalled concurrently: drain before reuse
+			l.waitPool.Put(w)
+		}
+		return ctx.Err()
+	}
+}
+
+// RDMA posts ops as one chain of work requests and waits until all of them
+// completed. Once posted, operations cannot be cancelled (their buffers are
+// in the provider's hands): ctx only bounds the wait before posting. An
+// operation's failure breaks the link.
+func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
+	if len(ops) == 0 {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	b := l.batchPool.Get().(*batch)
+	b.err = nil
+	b.pending = len(ops)
+	b.wrs = b.wrs[:0]
+	l.mu.Lock()
+	if l.down != nil {
+		err := l.down
+		l.mu.Unlock()
+		l.batchPool.Put(b)
+		return err
+	}
+	l.nextBatch++
+	id := l.nextBatch & 0xffffffffffff
+	l.batches[id] = b
+	l.mu.Unlock()
+	for i, op := range ops {
+		wr := transport.WorkRequest{ID: kindRDMA | id<<8 | uint64(i&0xff), Local: op.Local, RemoteAddr: op.Addr, RKey: op.RKey, Op: transport.OpRead}
+		if op.Write {
+			wr.Op = transport.OpWrite
+		}
+		b.wrs = append(b.wrs, wr)
+	}
+	if err := l.conn.PostSend(b.wrs...); err != nil {
+		l.mu.Lock()
+		delete(l.batches, id)
+		l.mu.Unlock()
+		l.batchPool.Put(b)
+		if errors.Is(err, transport.ErrQueueFull) {
+			return fmt.Errorf("rdma: %w", err)
+		}
+		l.fail(fmt.Errorf("post rdma: %w", err))
+		return l.Err()
+	}
+	<-b.done
+	err := b.err
+	l.batchPool.Put(b)
+	return err
+}
+
+func (l *Link) pollLoop(ctx context.Context) {
+	defer l.wg.Done()
+	comps := make([]transport.Completion, 64)
+	for {
+		n, err := l.conn.Poll(ctx, comps)
+		for i := range n {
+			l.complete(&comps[i])
+		}
+		if err != nil {
+			if errors.Is(err, transport.ErrClosed) || errors.Is(err, context.Canceled) {
+				l.fail(ErrDown)
+			} else {
+				l.fail(fmt.Errorf("poll: %w", err))
+			}
+			l.failBatches()
+			return
+		}
+	}
+}
+
+// failBatches completes every RDMA batch still waiting once no more
+// completions can come.
+func (l *Link) failBatches() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id, b := range l.batches {
+		if b.err == nil {
+			b.err = l.down
+		}
+		delete(l.batches, id)
+		b.done <- struct{}{}
+	}
+}
+
+func (l *Link) complete(c *transport.Completion) {
+	switch c.ID & kindMask {
+	case kindRecv:
+		slot := int(c.ID &^ kindMask)
+		if c.Status != transport.StatusSuccess {
+			if c.Status != transport.StatusFlushed {
+				l.fail(fmt.Errorf("receive: %w", c.Err()))
+			}
+			return
+		}
+		l.receive(slot, c.ByteLen)
+	case kindSend:
+		slot := int(c.ID &^ kindMask)
+		l.mu.Lock()
+		l.freeSend = append(l.freeSend, slot)
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		if c.Status != transport.StatusSuccess && c.Status != transport.StatusFlushed {
+			l.fail(fmt.Errorf("send: %w", c.Err()))
+		}
+	case kindRDMA:
+		id := (c.ID &^ kindMask) >> 8
+		l.mu.Lock()
+		b := l.batches[id]
+		if b == nil {
+			l.mu.Unlock()
+			return
+		}
+		if c.Status != transport.StatusSuccess && b.err == nil {
+			b.err = fmt.Errorf("%w: %w", ErrDown, c.Err())
+		}
+		b.pending--
+		if b.pending == 0 {
+			delete(l.batches, id)
+			b.done <- struct{}{}
+		}
+		l.mu.Unlock()
+		if c.Status != transport.StatusSuccess && c.Status != transport.StatusFlushed {
+			l.fail(c.Err())
+		}
+	}
+}
+
+func isReply(t protocol.Type) bool {
+	switch t {
+	case protocol.TypeError, protocol.TypeExportList, protocol.TypeVolumeInfo, protocol.TypeGrant,
+		protocol.TypeRevokeAck, protocol.TypeOK:
+		return true
+	}
+	return false
+}
+
+func (l *Link) receive(slot, n int) {
+	buf := l.recvRegion.Bytes()[slot*bufSize : slot*bufSize+n]
+	h, err := protocol.ParseHeader(buf)
+	if err == nil && int(h.Length) != n-protocol.HeaderSize {
+		err = fmt.Errorf("message length %d, received %d: %w", h.Length, n-protocol.HeaderSize, protocol.ErrTruncated)
+	}
+	if err != nil {
+		l.log.Warn("malformed message, closing link", zap.Error(err))
+		l.fail(fmt.Errorf("receive: %w", err))
+		go l.conn.Close()
+		return
+	}
+	payload := buf[protocol.HeaderSize:]
+	l.mu.Lock()
+	l.credits += int(h.Credits)
+	if h.Credits > 0 {
+		l.cond.Broadcast()
+	}
+	var w *waiter
+	if isReply(h.Type) {
+		w = l.waiters[h.Tag]
+		delete(l.waiters, h.Tag)
+	}
+	l.mu.Unlock()
+
+	switch {
+	case w != nil:
+		w.err = l.decodeReply(h, payload, w.reply)
+		w.done <- struct{}{}
+	case h.Type == protocol.TypeCredit:
+	case isReply(h.Type):
+		// A reply nobody waits for any more (its request was cancelled).
+	default:
+		l.opts.Handler(h, payload)
+	}
+
+	// Give the buffer back and count it as a credit to return.
+	if err := l.conn.PostRecv(transport.RecvRequest{ID: kindRecv | uint64(slot),
+		Local: transport.SGE{Region: l.recvRegion, Offset: slot * bufSize, Length: bufSize}}); err != nil {
+		l.fail(fmt.Errorf("repost receive: %w", err))
+		return
+	}
+	l.mu.Lock()
+	l.toReturn++
+	signal := l.toReturn >= l.opts.RecvBuffers/2
+	l.mu.Unlock()
+	if signal {
+		select {
+		case l.creditSignal <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (l *Link) decodeReply(h protocol.Header, payload []byte, reply protocol.Message) error {
+	if h.Type == protocol.TypeError {
+		var em protocol.ErrorMsg
+		if err := em.Unmarshal(payload); err != nil {
+			return fmt.Errorf("decode error reply: %w", err)
+		}
+		return &protocol.RemoteError{Code: em.Code, Text: em.Text}
+	}
+	if reply == nil || reply.Type() != h.Type {
+		return fmt.Errorf("%w: got %v", ErrUnexpectedReply, h.Type)
+	}
+	if err := reply.Unmarshal(payload); err != nil {
+		return fmt.Errorf("decode %v: %w", h.Type, err)
+	}
+	return nil
+}
+
+// creditLoop returns credits with a Credit message when many receive
+// buffers were re-posted and no other message carried them back.
+func (l *Link) creditLoop(ctx context.Context) {
+	defer l.wg.Done()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-l.creditSignal:
+		}
+		l.mu.Lock()
+		need := l.toReturn >= l.opts.RecvBuffers/2 && l.down == nil
+		l.mu.Unlock()
+		if !need {
+			continue
+		}
+		slot, err := l.acquire(ctx, true)
+		if err != nil {
+			return
+		}
+		if err := l.post(slot, 0, &protocol.Credit{}); err != nil {
+			return
+		}
+	}
+}

@@ -1,0 +1,457 @@
+package target
+
+import (
+	"container/list"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/transport"
+)
+
+// dirtyBlock is the granularity of dirty tracking: a write marks the
+// dirtyBlock-sized blocks it touches, and write-back writes whole blocks from
+// the cached copy (which holds the whole chunk, so this is always correct).
+const dirtyBlock = 4096
+
+type chunkState uint8
+
+const (
+	chunkLoading chunkState = iota
+	chunkReady
+	chunkEvicting
+)
+
+type chunkKey struct {
+	vol *volume
+	idx uint64
+}
+
+// holder is one session's grant of a chunk: the chunk's memory registered
+// on that session's connection.
+type holder struct {
+	handle uint32
+	region transport.Region
+}
+
+// chunk is one cached, registered chunk of a volume.
+type chunk struct {
+	key    chunkKey
+	off    uint64 // start in the volume
+	slot   int
+	buf    []byte // the slot's memory, the chunk's length
+	gen    uint64
+	state  chunkState
+	loaded chan struct{} // closed when loading ends
+	pins   int           // grants being set up; a pinned chunk is not evicted
+	elem   *list.Element // place in the LRU list while ready
+
+	holders map[*session]holder // guarded by cache.mu
+
+	wbMu    sync.Mutex // serializes write-back, zeroing and the end of eviction
+	dead    bool       // evicted: the slot may hold another chunk (guarded by wbMu)
+	dirtyMu sync.Mutex
+	dirty   []uint64 // bitmap of dirty blocks
+}
+
+// markDirty marks the blocks of [from, to) (offsets within the chunk).
+func (ch *chunk) markDirty(from, to uint64) {
+	ch.dirtyMu.Lock()
+	defer ch.dirtyMu.Unlock()
+	for b := from / dirtyBlock; b*dirtyBlock < to; b++ {
+		ch.dirty[b/64] |= 1 << (b % 64)
+	}
+}
+
+// clearDirty clears the blocks wholly inside [from, to).
+func (ch *chunk) clearDirty(from, to uint64) {
+	ch.dirtyMu.Lock()
+	defer ch.dirtyMu.Unlock()
+	for b := (from + dirtyBlock - 1) / dirtyBlock; (b+1)*dirtyBlock <= to; b++ {
+		ch.dirty[b/64] &^= 1 << (b % 64)
+	}
+}
+
+// cache is the target's bounded cache of registered chunks, shared by all
+// volumes. Memory is one mapping of slots*chunkSize bytes.
+type cache struct {
+	chunkSize int
+	mem       *transport.Memory
+	log       *zap.Logger
+	m         *Metrics
+	revokeTTL time.Duration
+
+	mu     sync.Mutex
+	cond   *sync.Cond
+	free   []int
+	chunks map[chunkKey]*chunk
+	lru    list.List // ready chunks, most recently granted first
+	gen    uint64
+}
+
+func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL time.Duration) (*cache, error) {
+	slots := int(size / int64(chunkSize))
+	if slots < 4 {
+		return nil, fmt.Errorf("cache of %d bytes holds %d chunks of %d bytes: need at least 4", size, slots, chunkSize)
+	}
+	mem, err := transport.AllocMemory(slots*chunkSize, false)
+	if err != nil {
+		return nil, fmt.Errorf("cache: %w", err)
+	}
+	c := &cache{chunkSize: chunkSize, mem: mem, log: log, m: m, revokeTTL: revokeTTL, chunks: make(map[chunkKey]*chunk)}
+	c.cond = sync.NewCond(&c.mu)
+	for i := slots - 1; i >= 0; i-- {
+		c.free = append(c.free, i)
+	}
+	m.cacheBudget.Set(float64(slots * chunkSize))
+	return c, nil
+}
+
+func (c *cache) slotBytes(slot int) []byte {
+	return c.mem.Bytes()[slot*c.chunkSize : (slot+1)*c.chunkSize]
+}
+
+// wait waits on c.cond, waking up when ctx ends. c.mu is held.
+func (c *cache) wait(ctx context.Context) error {
+	stop := context.AfterFunc(ctx, func() {
+		c.mu.Lock()
+		c.cond.Broadcast()
+		c.mu.Unlock()
+	})
+	c.cond.Wait()
+	stop()
+	return ctx.Err()
+}
+
+// get returns chunk idx of v, loaded and pinned. The caller unpins it.
+func (c *cache) get(ctx context.Context, v *volume, idx uint64) (*chunk, error) {
+	key := chunkKey{v, idx}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		if ch := c.chunks[key]; ch != nil {
+			switch ch.state {
+			case chunkReady:
+				ch.pins++
+				c.lru.MoveToFront(ch.elem)
+				return ch, nil
+			case chunkLoading:
+				loaded := ch.loaded
+				c.mu.Unlock()
+				select {
+				case <-loaded:
+				case <-ctx.Done():
+				}
+				c.mu.Lock()
+			case chunkEvicting:
+				if err := c.wait(ctx); err != nil {
+					return nil, err
+				}
+			}
+			continue
+		}
+		if len(c.free) == 0 {
+			victim := c.victim()
+			if victim == nil {
+				// Every chunk is loading, pinned or being evicted.
+				if err := c.wait(ctx); err != nil {
+					return nil, err
+				}
+				continue
+			}
+			c.mu.Unlock()
+			err := c.evict(ctx, victim)
+			c.mu.Lock()
+			if err != nil {
+				return nil, err
+			}
+			continue
+		}
+		slot := c.free[len(c.free)-1]
+		c.free = c.free[:len(c.free)-1]
+		n := min(uint64(c.chunkSize), v.size-idx*uint64(c.chunkSize))
+		ch := &chunk{key: key, off: idx * uint64(c.chunkSize), slot: slot, buf: c.slotBytes(slot)[:n],
+			state: chunkLoading, loaded: make(chan struct{}), pins: 1, holders: make(map[*session]holder),
+			dirty: make([]uint64, (c.chunkSize/dirtyBlock+63)/64)}
+		c.chunks[key] = ch
+		c.mu.Unlock()
+		err := c.load(v, ch)
+		c.mu.Lock()
+		close(ch.loaded)
+		if err != nil {
+			delete(c.chunks, key)
+			c.free = append(c.free, slot)
+			c.cond.Broadcast()
+			return nil, err
+		}
+		c.gen++
+		ch.gen = c.gen
+		ch.state = chunkReady
+		ch.elem = c.lru.PushFront(ch)
+		c.m.cacheUsed.Add(float64(c.chunkSize))
+		return ch, nil
+	}
+}
+
+func (c *cache) load(v *volume, ch *chunk) error {
+	start := time.Now()
+	v.ioMu.RLock()
+	defer v.ioMu.RUnlock()
+	if _, err := v.f.ReadAt(ch.buf, int64(ch.off)); err != nil {
+		c.m.errors.WithLabelValues("load").Inc()
+		return fmt.Errorf("load chunk at %d of %q: %w", ch.off, v.name, err)
+	}
+	c.m.loads.Inc()
+	c.m.loadBytes.Add(float64(len(ch.buf)))
+	c.m.loadSeconds.Observe(time.Since(start).Seconds())
+	return nil
+}
+
+// victim picks the least recently granted chunk that is not pinned and marks
+// it evicting. c.mu is held.
+func (c *cache) victim() *chunk {
+	for e := c.lru.Back(); e != nil; e = e.Prev() {
+		ch := e.Value.(*chunk)
+		if ch.pins == 0 {
+			ch.state = chunkEvicting
+			c.lru.Remove(e)
+			ch.elem = nil
+			return ch
+		}
+	}
+	return nil
+}
+
+func (c *cache) unpin(ch *chunk) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ch.pins--
+	if ch.pins == 0 {
+		c.cond.Broadcast()
+	}
+}
+
+// evict takes ch (marked evicting) out of the cache: every holder is asked
+// to give its grant back and its registration is removed, dirty blocks are
+// written back, then the slot is freed. If write-back fails the chunk stays
+// cached (ready, without grants) and the error is returned.
+func (c *cache) evict(ctx context.Context, ch *chunk) error {
+	c.mu.Lock()
+	type hs struct {
+		s *session
+		h holder
+	}
+	var list []hs
+	for s, h := range ch.holders {
+		list = append(list, hs{s, h})
+	}
+	c.mu.Unlock()
+
+	var wg sync.WaitGroup
+	for _, x := range list {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x.s.revoke(ctx, ch, x.h, c.revokeTTL)
+		}()
+	}
+	wg.Wait()
+
+	ch.wbMu.Lock()
+	err := c.writebackLocked(ch)
+	if err == nil {
+		ch.dead = true
+	}
+	ch.wbMu.Unlock()
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err != nil {
+		ch.state = chunkReady
+		ch.elem = c.lru.PushBack(ch)
+		c.cond.Broadcast()
+		return err
+	}
+	delete(c.chunks, ch.key)
+	c.free = append(c.free, ch.slot)
+	c.m.evictions.Inc()
+	c.m.cacheUsed.Sub(float64(c.chunkSize))
+	c.cond.Broadcast()
+	return nil
+}
+
+// dropHolder forgets s's grant of ch (after a revoke or when s ends) and
+// deregisters its region.
+func (c *cache) dropHolder(ch *chunk, s *session) {
+	c.mu.Lock()
+	h, ok := ch.holders[s]
+	delete(ch.holders, s)
+	c.mu.Unlock()
+	if ok {
+		h.region.Deregister()
+	}
+}
+
+// writeback writes ch's dirty blocks to its volume's file.
+func (c *cache) writeback(ch *chunk) error {
+	ch.wbMu.Lock()
+	defer ch.wbMu.Unlock()
+	if ch.dead {
+		return nil
+	}
+	return c.writebackLocked(ch)
+}
+
+// writebackLocked writes the dirty blocks; ch.wbMu is held. On failure the
+// blocks stay dirty and the volume remembers the error for the next flush.
+func (c *cache) writebackLocked(ch *chunk) error {
+	v := ch.key.vol
+	ch.dirtyMu.Lock()
+	var snap [64]uint64
+	words := snap[:len(ch.dirty)]
+	if len(ch.dirty) > len(snap) {
+		words = make([]uint64, len(ch.dirty))
+	}
+	copy(words, ch.dirty)
+	clear(ch.dirty)
+	ch.dirtyMu.Unlock()
+
+	n := uint64(len(ch.buf))
+	nblocks := (n + dirtyBlock - 1) / dirtyBlock
+	var firstErr error
+	isDirty := func(b uint64) bool { return words[b/64]&(1<<(b%64)) != 0 }
+	for b := uint64(0); b < nblocks; {
+		if words[b/64]>>(b%64) == 0 {
+			b += 64 - b%64 // nothing dirty in the rest of this word
+			continue
+		}
+		if !isDirty(b) {
+			b++
+			continue
+		}
+		e := b + 1
+		for e < nblocks && isDirty(e) {
+			e++
+		}
+		from, to := b*dirtyBlock, min(e*dirtyBlock, n)
+		if _, err := v.f.WriteAt(ch.buf[from:to], int64(ch.off+from)); err != nil {
+			c.m.errors.WithLabelValues("writeback").Inc()
+			ch.markDirty(from, to)
+			if firstErr == nil {
+				firstErr = fmt.Errorf("write back %d bytes at %d of %q: %w", to-from, ch.off+from, v.name, err)
+			}
+		} else {
+			c.m.writebackOps.Inc()
+			c.m.writebackBytes.Add(float64(to - from))
+		}
+		b = e
+	}
+	if firstErr != nil {
+		v.setErr(firstErr)
+		v.markDirty(ch)
+	}
+	return firstErr
+}
+
+// writebackVolume writes back every dirty chunk of v.
+func (c *cache) writebackVolume(v *volume) error {
+	var firstErr error
+	for _, ch := range v.takeDirty() {
+		if err := c.writeback(ch); err != nil && firstErr == nil {
+			firstErr = err
+		}
+	}
+	return firstErr
+}
+
+// flush makes every range marked dirty before the call durable.
+func (c *cache) flush(v *volume) error {
+	v.flushMu.Lock()
+	defer v.flushMu.Unlock()
+	start := time.Now()
+	c.writebackVolume(v)
+	if err := v.f.Sync(); err != nil {
+		v.setErr(fmt.Errorf("fdatasync %q: %w", v.name, err))
+	}
+	c.m.flushSeconds.Observe(time.Since(start).Seconds())
+	return v.takeErr()
+}
+
+// writebackLoop writes back dirty chunks of v shortly after they are
+// reported, coalescing what arrives meanwhile, until ctx ends.
+func (c *cache) writebackLoop(ctx context.Context, v *volume, delay time.Duration) {
+	t := time.NewTimer(delay)
+	t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-v.wbSignal:
+		}
+		t.Reset(delay)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := c.writebackVolume(v); err != nil {
+			c.log.Warn("write-back failed; the next flush reports it", zap.String("export", v.name), zap.Error(err))
+		}
+	}
+}
+
+// zeroRange zeroes [off, off+n) of v in every cached chunk and in the file.
+func (c *cache) zeroRange(v *volume, off, n uint64, noHole bool) error {
+	v.ioMu.Lock() // no chunk of v loads meanwhile
+	defer v.ioMu.Unlock()
+	cs := uint64(c.chunkSize)
+	for idx := off / cs; idx*cs < off+n; idx++ {
+		c.mu.Lock()
+		ch := c.chunks[chunkKey{v, idx}]
+		c.mu.Unlock()
+		if ch == nil {
+			continue
+		}
+		ch.wbMu.Lock()
+		if !ch.dead {
+			from := max(off, ch.off) - ch.off
+			to := min(off+n, ch.off+uint64(len(ch.buf))) - ch.off
+			clear(ch.buf[from:to])
+			ch.clearDirty(from, to)
+		}
+		ch.wbMu.Unlock()
+	}
+	if err := v.zeroFile(off, n, noHole); err != nil {
+		return fmt.Errorf("zero %d bytes at %d of %q: %w", n, off, v.name, err)
+	}
+	return nil
+}
+
+// close writes everything back and frees the memory. No session may be left.
+func (c *cache) close(vols []*volume) error {
+	var errs []error
+	for _, v := range vols {
+		if err := c.flush(v); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	c.mu.Lock()
+	for _, ch := range c.chunks {
+		for s, h := range ch.holders {
+			h.region.Deregister()
+			delete(ch.holders, s)
+		}
+	}
+	c.mu.Unlock()
+	if err := c.mem.Free(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,39 @@
+// Package target is the storage side of rblk: it exports backing files and
+// block devices as volumes, and serves them to initiators through a bounded
+// cache of registered memory.
+//
+// The target's CPU does not move data over the network. An initiator asks
+// for a grant of the chunk that holds an offset; the target loads the chunk
+// into a slot of its cache (memory of its own, never a mapping of the backing
+// file), registers the slot on that initiator's connection (remote read, and
+// remote write when the volume is open for writing) and replies with the
+// address, rkey, length and generation. From then on the initiator reads and
+// writes the chunk with one-sided RDMA READ and WRITE and tells the target,
+// with a Done message, which ranges it wrote.
+//
+// The target's work is what only it can do:
+//
+//   - load chunks on demand, and evict the least recently granted one when
+//     the cache is full: it first revokes every grant of the chunk (the
+//     initiator acknowledges once it no longer uses it, after its last Done),
+//     deregisters the regions, writes dirty blocks back, then reuses the slot;
+//   - write back the dirty ranges named by Done messages, asynchronously and
+//     coalesced;
+//   - Flush: reply only after every range of an earlier Done is written back
+//     and the file fdatasync'd, reporting any write-back error since the last
+//     flush;
+//   - Trim and WriteZeroes: zero the cached copy and the file (fallocate);
+//   - refuse what is malformed or out of range with an Error message, and
+//     close a session that breaks the protocol, without touching the others.
+//
+// # Usage
+//
+//	t, err := target.New(target.Options{Exports: exports, Logger: log, Registerer: reg})
+//	l, err := provider.Listen(ctx, addr)
+//	go t.Serve(ctx, l)
+//	...
+//	t.Close() // ends sessions, writes back and syncs everything
+//
+// The caller owns the listener's provider and must Close the target: dirty
+// chunks live only in the cache until they are written back.
+package target

@@ -1,0 +1,228 @@
+package target
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// ExportConfig describes one exported volume.
+type ExportConfig struct {
+	// Name is what initiators open it by.
+	Name string
+	// Path is a regular file or a block device.
+	Path string
+	// ReadOnly exports refuse writes, trims and write-zeroes, and their
+	// chunks are registered without remote write access.
+	ReadOnly bool
+	// Size, if not zero, creates Path as a sparse file of that size when it
+	// does not exist. An existing file keeps its size.
+	Size int64
+}
+
+// ParseExport parses NAME=PATH[,ro][,size=BYTES], the form of rblkd's --export flag.
+func ParseExport(s string) (ExportConfig, error) {
+	name, rest, ok := strings.Cut(s, "=")
+	if !ok || name == "" || rest == "" {
+		return ExportConfig{}, fmt.Errorf("export %q: want NAME=PATH[,ro][,size=BYTES]", s)
+	}
+	if len(name) > 255 || strings.ContainsAny(name, "\x00/") {
+		return ExportConfig{}, fmt.Errorf("export %q: name must be 1-255 bytes without '/' or NUL", s)
+	}
+	parts := strings.Split(rest, ",")
+	e := ExportConfig{Name: name, Path: parts[0]}
+	if e.Path == "" {
+		return ExportConfig{}, fmt.Errorf("export %q: empty path", s)
+	}
+	for _, p := range parts[1:] {
+		switch {
+		case p == "ro":
+			e.ReadOnly = true
+		case p == "rw":
+			e.ReadOnly = false
+		case strings.HasPrefix(p, "size="):
+			n, err := ParseSize(strings.TrimPrefix(p, "size="))
+			if err != nil || n <= 0 {
+				return ExportConfig{}, fmt.Errorf("export %q: bad size %q", s, p)
+			}
+			e.Size = n
+		default:
+			return ExportConfig{}, fmt.Errorf("export %q: unknown option %q (want ro, rw or size=BYTES)", s, p)
+		}
+	}
+	return e, nil
+}
+
+// ParseSize parses a byte count with an optional binary suffix: 4096, 64K,
+// 256M, 10G, 1T (also KiB, MiB, GiB, TiB).
+func ParseSize(s string) (int64, error) {
+	t := strings.TrimSpace(strings.ToUpper(s))
+	t = strings.TrimSuffix(strings.TrimSuffix(t, "IB"), "B")
+	mult := int64(1)
+	if t != "" {
+		switch t[len(t)-1] {
+		case 'K':
+			mult = 1 << 10
+		case 'M':
+			mult = 1 << 20
+		case 'G':
+			mult = 1 << 30
+		case 'T':
+			mult = 1 << 40
+		}
+		if mult != 1 {
+			t = t[:len(t)-1]
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n < 0 || n > (1<<62)/mult {
+		return 0, fmt.Errorf("size %q: want a number of bytes with an optional K, M, G or T suffix", s)
+	}
+	return n * mult, nil
+}
+
+// volume is an open export.
+type volume struct {
+	id       uint32
+	name     string
+	path     string
+	readOnly bool
+	f        *os.File
+	size     uint64
+	blockDev bool
+
+	// ioMu orders loads (shared) against trims and write-zeroes (exclusive),
+	// so that a chunk is never loaded from a range being zeroed.
+	ioMu sync.RWMutex
+
+	dirtyMu  sync.Mutex
+	dirty    map[*chunk]struct{}
+	wbErr    error // first write-back error since the last flush
+	wbSignal chan struct{}
+
+	flushMu sync.Mutex
+}
+
+func openVolume(id uint32, e ExportConfig) (*volume, error) {
+	flags := os.O_RDWR
+	if e.ReadOnly {
+		flags = os.O_RDONLY
+	}
+	f, err := os.OpenFile(e.Path, flags, 0)
+	if errors.Is(err, os.ErrNotExist) && e.Size > 0 && !e.ReadOnly {
+		f, err = os.OpenFile(e.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		if err == nil {
+			if terr := f.Truncate(e.Size); terr != nil {
+				f.Close()
+				os.Remove(e.Path)
+				return nil, fmt.Errorf("export %q: create sparse file %s: %w", e.Name, e.Path, terr)
+			}
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("export %q: open %s: %w", e.Name, e.Path, err)
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("export %q: stat %s: %w", e.Name, e.Path, err)
+	}
+	v := &volume{id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, f: f,
+		dirty: make(map[*chunk]struct{}), wbSignal: make(chan struct{}, 1)}
+	switch mode := st.Mode(); {
+	case mode.IsRegular():
+		v.size = uint64(st.Size())
+	case mode&os.ModeDevice != 0 && mode&os.ModeCharDevice == 0:
+		end, err := f.Seek(0, io.SeekEnd)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("export %q: size of %s: %w", e.Name, e.Path, err)
+		}
+		v.size, v.blockDev = uint64(end), true
+	default:
+		f.Close()
+		return nil, fmt.Errorf("export %q: %s is neither a regular file nor a block device", e.Name, e.Path)
+	}
+	if v.size == 0 {
+		f.Close()
+		return nil, fmt.Errorf("export %q: %s is empty (give size=BYTES to create it)", e.Name, e.Path)
+	}
+	return v, nil
+}
+
+// markDirty queues ch for write-back.
+func (v *volume) markDirty(ch *chunk) {
+	v.dirtyMu.Lock()
+	v.dirty[ch] = struct{}{}
+	v.dirtyMu.Unlock()
+	select {
+	case v.wbSignal <- struct{}{}:
+	default:
+	}
+}
+
+func (v *volume) takeDirty() []*chunk {
+	v.dirtyMu.Lock()
+	defer v.dirtyMu.Unlock()
+	out := make([]*chunk, 0, len(v.dirty))
+	for ch := range v.dirty {
+		out = append(out, ch)
+		delete(v.dirty, ch)
+	}
+	return out
+}
+
+func (v *volume) setErr(err error) {
+	v.dirtyMu.Lock()
+	defer v.dirtyMu.Unlock()
+	if v.wbErr == nil {
+		v.wbErr = err
+	}
+}
+
+// takeErr returns and clears the first write-back error since the last call.
+func (v *volume) takeErr() error {
+	v.dirtyMu.Lock()
+	defer v.dirtyMu.Unlock()
+	err := v.wbErr
+	v.wbErr = nil
+	return err
+}
+
+// zeroFile makes [off, off+n) of the backing file read as zeroes: by punching
+// a hole (unless noHole), else by zeroing the range in place, else by writing
+// zeroes.
+func (v *volume) zeroFile(off, n uint64, noHole bool) error {
+	fd := int(v.f.Fd())
+	if !noHole {
+		err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(off), int64(n))
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
+			return fmt.Errorf("punch hole: %w", err)
+		}
+	}
+	err := unix.Fallocate(fd, unix.FALLOC_FL_ZERO_RANGE|unix.FALLOC_FL_KEEP_SIZE, int64(off), int64(n))
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOSYS) {
+		return fmt.Errorf("zero range: %w", err)
+	}
+	zero := make([]byte, min(n, 1<<20))
+	for n > 0 {
+		k := min(n, uint64(len(zero)))
+		if _, err := v.f.WriteAt(zero[:k], int64(off)); err != nil {
+			return fmt.Errorf("write zeroes: %w", err)
+		}
+		off, n = off+k, n-k
+	}
+	return nil
+}

@@ -1,0 +1,58 @@
+package target
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics are the target's Prometheus collectors, namespace "rblkd".
+type Metrics struct {
+	sessions       prometheus.Gauge
+	sessionsTotal  prometheus.Counter
+	requests       *prometheus.CounterVec
+	requestSeconds *prometheus.HistogramVec
+	errors         *prometheus.CounterVec
+	grants         prometheus.Counter
+	revokes        prometheus.Counter
+	evictions      prometheus.Counter
+	loads          prometheus.Counter
+	loadBytes      prometheus.Counter
+	loadSeconds    prometheus.Histogram
+	writebackOps   prometheus.Counter
+	writebackBytes prometheus.Counter
+	doneBytes      prometheus.Counter
+	flushSeconds   prometheus.Histogram
+	cacheUsed      prometheus.Gauge
+	cacheBudget    prometheus.Gauge
+}
+
+// NewMetrics creates the collectors and registers them with reg (if not nil).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	const ns = "rblkd"
+	buckets := prometheus.ExponentialBuckets(10e-6, 4, 12) // 10µs .. ~42s
+	m := &Metrics{
+		sessions:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "sessions", Help: "Initiator sessions connected now."}),
+		sessionsTotal: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sessions_total", Help: "Initiator sessions accepted."}),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "requests_total",
+			Help: "Control requests served, by operation and result."}, []string{"op", "result"}),
+		requestSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "request_duration_seconds",
+			Help: "Time to serve a control request, by operation.", Buckets: buckets}, []string{"op"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "errors_total",
+			Help: "Errors, by where they happened."}, []string{"op"}),
+		grants:         prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators."}),
+		revokes:        prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators."}),
+		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache."}),
+		loads:          prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files."}),
+		loadBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files."}),
+		loadSeconds:    prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "cache_load_duration_seconds", Help: "Time to load a chunk.", Buckets: buckets}),
+		writebackOps:   prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "writeback_ops_total", Help: "Writes of dirty ranges to backing files."}),
+		writebackBytes: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "writeback_bytes_total", Help: "Bytes written back to backing files."}),
+		doneBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "written_bytes_total", Help: "Bytes initiators reported written with RDMA WRITE (MSG_DONE)."}),
+		flushSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "flush_duration_seconds", Help: "Time to write back and fdatasync a volume.", Buckets: buckets}),
+		cacheUsed:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_used_bytes", Help: "Registered cache memory holding chunks."}),
+		cacheBudget:    prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_budget_bytes", Help: "Registered cache memory in all."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes,
+			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
+			m.flushSeconds, m.cacheUsed, m.cacheBudget)
+	}
+	return m
+}

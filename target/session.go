@@ -1,0 +1,392 @@
+package target
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/protocol/link"
+	"github.com/rblk/rblk/transport"
+)
+
+// openVol is a volume opened by a session under a handle.
+type openVol struct {
+	v        *volume
+	writable bool
+}
+
+// session is one initiator's connection.
+type session struct {
+	t     *Target
+	id    uint64
+	log   *zap.Logger
+	link  *link.Link
+	ready chan struct{} // closed once link is set
+
+	ctx    context.Context // ends when the session ends
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // request goroutines
+
+	mu      sync.Mutex
+	handles map[uint32]*openVol
+	next    uint32
+	chunks  map[*chunk]struct{} // chunks this session holds grants of
+
+	done protocol.Done // reused by the completion goroutine
+	ops  atomic.Int64
+}
+
+func (s *session) handle(h protocol.Header, payload []byte) {
+	<-s.ready
+	if h.Type == protocol.TypeDone {
+		// Done is handled in order on the completion goroutine, so that a
+		// later Flush or RevokeAck on this connection sees its ranges dirty.
+		s.handleDone(h, payload)
+		return
+	}
+	m, err := protocol.New(h.Type)
+	if err == nil {
+		err = m.Unmarshal(payload)
+	}
+	if err != nil {
+		s.protocolError(fmt.Errorf("decode %v: %w", h.Type, err))
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		s.serve(h, m)
+	}()
+}
+
+// protocolError ends the session: the peer sent something malformed.
+func (s *session) protocolError(err error) {
+	s.t.m.errors.WithLabelValues("protocol").Inc()
+	s.log.Warn("protocol error, closing session", zap.Error(err))
+	go s.link.Close()
+}
+
+func (s *session) reply(tag uint64, m protocol.Message) {
+	if err := s.link.Send(s.ctx, tag, m); err != nil && s.link.Err() == nil {
+		s.log.Warn("send reply", zap.Stringer("type", m.Type()), zap.Error(err))
+	}
+}
+
+func (s *session) replyErr(tag uint64, op string, err error) {
+	code := protocol.CodeOf(err)
+	s.t.m.errors.WithLabelValues(op).Inc()
+	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm {
+		s.log.Warn("request failed", zap.String("op", op), zap.Error(err))
+	}
+	text := err.Error()
+	if len(text) > protocol.MaxErrorText {
+		text = text[:protocol.MaxErrorText]
+	}
+	s.reply(tag, &protocol.ErrorMsg{Code: code, Text: text})
+}
+
+func (s *session) lookup(handle uint32) (*openVol, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ov := s.handles[handle]
+	if ov == nil {
+		return nil, fmt.Errorf("handle %d: %w", handle, protocol.ErrInvalid)
+	}
+	return ov, nil
+}
+
+// checkRange validates [off, off+n) against v.
+func checkRange(v *volume, off, n uint64) error {
+	if n == 0 || off >= v.size || n > v.size-off {
+		return fmt.Errorf("range %d+%d outside volume %q of %d bytes: %w", off, n, v.name, v.size, protocol.ErrRange)
+	}
+	return nil
+}
+
+func (s *session) serve(h protocol.Header, m protocol.Message) {
+	start := time.Now()
+	op, err := s.dispatch(h.Tag, m)
+	if op == "" {
+		return
+	}
+	s.t.m.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
+	if err != nil {
+		s.t.m.requests.WithLabelValues(op, "error").Inc()
+		s.replyErr(h.Tag, op, err)
+		return
+	}
+	s.t.m.requests.WithLabelValues(op, "ok").Inc()
+}
+
+// dispatch serves one request. It sends the success reply itself and returns
+// the operation's name and its error, which the caller replies with.
+func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
+	switch m := m.(type) {
+	case *protocol.ListExports:
+		s.reply(tag, s.t.exportList())
+		return "list", nil
+	case *protocol.Open:
+		info, err := s.open(m)
+		if err == nil {
+			s.reply(tag, info)
+		}
+		return "open", err
+	case *protocol.GrantRequest:
+		return "grant", s.grant(tag, m)
+	case *protocol.Flush:
+		ov, err := s.lookup(m.Handle)
+		if err == nil {
+			err = s.t.cache.flush(ov.v)
+		}
+		if err == nil {
+			s.reply(tag, &protocol.OK{})
+		}
+		return "flush", err
+	case *protocol.Trim:
+		return "trim", s.zero(tag, m.Handle, m.Offset, m.Length, false, m.Flags&protocol.FlagFUA != 0)
+	case *protocol.WriteZeroes:
+		return "write_zeroes", s.zero(tag, m.Handle, m.Offset, m.Length, m.Flags&protocol.FlagNoHole != 0, m.Flags&protocol.FlagFUA != 0)
+	case *protocol.Close:
+		s.mu.Lock()
+		_, ok := s.handles[m.Handle]
+		delete(s.handles, m.Handle)
+		s.mu.Unlock()
+		if !ok {
+			return "close", fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
+		}
+		s.reply(tag, &protocol.OK{})
+		return "close", nil
+	default:
+		s.protocolError(fmt.Errorf("unexpected %v from initiator: %w", m.Type(), protocol.ErrProtocol))
+		return "", nil
+	}
+}
+
+func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
+	v := s.t.volumes[m.Name]
+	if v == nil {
+		return nil, fmt.Errorf("export %q: %w", m.Name, protocol.ErrNoExport)
+	}
+	writable := m.Mode == protocol.ModeReadWrite
+	if writable && v.readOnly {
+		return nil, fmt.Errorf("export %q is read-only: %w", m.Name, protocol.ErrPerm)
+	}
+	s.mu.Lock()
+	s.next++
+	h := s.next
+	s.handles[h] = &openVol{v: v, writable: writable}
+	s.mu.Unlock()
+	s.log.Info("volume opened", zap.String("export", v.name), zap.Bool("writable", writable), zap.Uint32("handle", h))
+	flags := volFlags(v)
+	if !writable {
+		flags = protocol.VolReadOnly | protocol.VolCanFlush
+	}
+	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
+		ChunkSize: uint32(s.t.cache.chunkSize)}, nil
+}
+
+func volFlags(v *volume) protocol.VolumeFlags {
+	if v.readOnly {
+		return protocol.VolReadOnly | protocol.VolCanFlush
+	}
+	return protocol.VolCanTrim | protocol.VolCanZero | protocol.VolCanFlush
+}
+
+// grant registers the chunk that holds m.Offset on this session's connection
+// and replies with its description. The region has remote write access only
+// when the volume was opened for writing. The reply is sent while the chunk
+// is pinned, so that a Revoke of it cannot overtake the Grant.
+func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
+	ov, err := s.lookup(m.Handle)
+	if err != nil {
+		return err
+	}
+	if m.Offset >= ov.v.size {
+		return fmt.Errorf("grant at %d of %q (%d bytes): %w", m.Offset, ov.v.name, ov.v.size, protocol.ErrRange)
+	}
+	if m.Flags&protocol.GrantWrite != 0 && !ov.writable {
+		return fmt.Errorf("write grant on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
+	}
+	c := s.t.cache
+	ch, err := c.get(s.ctx, ov.v, m.Offset/uint64(c.chunkSize))
+	if err != nil {
+		return err
+	}
+	defer c.unpin(ch)
+
+	c.mu.Lock()
+	hd, held := ch.holders[s]
+	c.mu.Unlock()
+	if !held || (ov.writable && hd.region.Access()&transport.AccessRemoteWrite == 0) {
+		access := transport.AccessRemoteRead
+		if ov.writable {
+			access |= transport.AccessLocalWrite | transport.AccessRemoteWrite
+		}
+		region, err := s.link.Conn().Register(ch.buf, access)
+		if err != nil {
+			return fmt.Errorf("register chunk: %w", err)
+		}
+		c.mu.Lock()
+		old, had := ch.holders[s]
+		hd = holder{handle: m.Handle, region: region}
+		ch.holders[s] = hd
+		c.mu.Unlock()
+		if had {
+			old.region.Deregister()
+		}
+		s.mu.Lock()
+		s.chunks[ch] = struct{}{}
+		s.mu.Unlock()
+		s.t.m.grants.Inc()
+	}
+	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.region.Addr(), RKey: hd.region.RKey(),
+		Length: uint32(len(ch.buf)), Generation: ch.gen}
+	if hd.region.Access()&transport.AccessRemoteWrite != 0 {
+		g.Flags = protocol.GrantWrite
+	}
+	s.reply(tag, g)
+	return nil
+}
+
+// revoke asks the initiator to stop using its grant of ch and waits for its
+// RevokeAck; an initiator that does not answer in time loses its session.
+// Either way the registration is removed before revoke returns.
+func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl time.Duration) {
+	ctx, cancel := context.WithTimeout(ctx, ttl)
+	defer cancel()
+	var ack protocol.RevokeAck
+	err := s.link.Request(ctx, &protocol.Revoke{Handle: h.handle, Offset: ch.off, Generation: ch.gen}, &ack)
+	s.t.m.revokes.Inc()
+	if err != nil && s.link.Err() == nil {
+		s.log.Warn("initiator did not give a chunk back, closing its session", zap.Uint64("offset", ch.off), zap.Error(err))
+		s.link.Close()
+	}
+	s.t.cache.dropHolder(ch, s)
+	s.mu.Lock()
+	delete(s.chunks, ch)
+	s.mu.Unlock()
+}
+
+// handleDone marks the ranges of a Done dirty. It runs on the completion
+// goroutine; a Done with FUA is made durable and answered on another.
+func (s *session) handleDone(h protocol.Header, payload []byte) {
+	d := &s.done
+	if err := d.Unmarshal(payload); err != nil {
+		s.protocolError(fmt.Errorf("decode Done: %w", err))
+		return
+	}
+	ov, err := s.lookup(d.Handle)
+	if err == nil && !ov.writable {
+		err = fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
+	}
+	if err != nil {
+		s.protocolError(err)
+		return
+	}
+	c := s.t.cache
+	cs := uint64(c.chunkSize)
+	fua := d.Flags&protocol.DoneFUA != 0
+	var fuaChunks []*chunk
+	for _, r := range d.Ranges {
+		if err := checkRange(ov.v, r.Offset, r.Length); err != nil {
+			s.protocolError(fmt.Errorf("done: %w", err))
+			return
+		}
+		s.t.m.doneBytes.Add(float64(r.Length))
+		for idx := r.Offset / cs; idx*cs < r.Offset+r.Length; idx++ {
+			c.mu.Lock()
+			ch := c.chunks[chunkKey{ov.v, idx}]
+			var held bool
+			if ch != nil {
+				_, held = ch.holders[s]
+			}
+			c.mu.Unlock()
+			if !held {
+				// The initiator wrote where it holds no grant: its data is
+				// not in the cache any more. That is a broken initiator.
+				s.protocolError(fmt.Errorf("done for chunk at %d of %q that this session holds no grant of: %w", idx*cs, ov.v.name, protocol.ErrStale))
+				return
+			}
+			from := max(r.Offset, ch.off) - ch.off
+			to := min(r.Offset+r.Length, ch.off+uint64(len(ch.buf))) - ch.off
+			ch.markDirty(from, to)
+			ov.v.markDirty(ch)
+			if fua {
+				fuaChunks = append(fuaChunks, ch)
+			}
+		}
+	}
+	if !fua {
+		return
+	}
+	tag := h.Tag
+	v := ov.v
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		start := time.Now()
+		err := s.durable(v, fuaChunks)
+		s.t.m.requestSeconds.WithLabelValues("done_fua").Observe(time.Since(start).Seconds())
+		if err != nil {
+			s.replyErr(tag, "done_fua", err)
+			return
+		}
+		s.reply(tag, &protocol.OK{})
+	}()
+}
+
+// durable writes back chunks and syncs the file.
+func (s *session) durable(v *volume, chunks []*chunk) error {
+	var errs []error
+	for _, ch := range chunks {
+		if err := s.t.cache.writeback(ch); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := v.f.Sync(); err != nil {
+		errs = append(errs, fmt.Errorf("fdatasync %q: %w", v.name, err))
+	}
+	return errors.Join(errs...)
+}
+
+func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua bool) error {
+	ov, err := s.lookup(handle)
+	if err != nil {
+		return err
+	}
+	if !ov.writable {
+		return fmt.Errorf("export %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
+	}
+	if err := checkRange(ov.v, off, n); err != nil {
+		return err
+	}
+	if err := s.t.cache.zeroRange(ov.v, off, n, noHole); err != nil {
+		return err
+	}
+	if fua {
+		if err := ov.v.f.Sync(); err != nil {
+			return fmt.Errorf("fdatasync %q: %w", ov.v.name, err)
+		}
+	}
+	s.reply(tag, &protocol.OK{})
+	return nil
+}
+
+// end releases what the session holds once its link is down.
+func (s *session) end() {
+	s.cancel()
+	s.wg.Wait()
+	s.mu.Lock()
+	chunks := s.chunks
+	s.chunks = nil
+	s.mu.Unlock()
+	for ch := range chunks {
+		s.t.cache.dropHolder(ch, s)
+	}
+}

@@ -1,0 +1,42 @@
+// Package providers picks a transport provider by name, as the command-line
+// tools' --transport flag names it.
+package providers
+
+import (
+	"fmt"
+
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/rdma"
+	"github.com/rblk/rblk/transport/tcp"
+)
+
+// Names are the accepted values of --transport.
+const Names = "tcp|rdma|auto"
+
+// Open returns the provider called name: "tcp" (the software provider),
+// "rdma" (verbs; fails at once without a device), or "auto" (rdma when a
+// device exists, else tcp). The second result says what was chosen and why,
+// for the log.
+func Open(name string) (transport.Provider, string, error) {
+	switch name {
+	case "tcp":
+		return tcp.New("tcp"), "tcp (software RDMA emulation over TCP)", nil
+	case "rdma":
+		p, err := rdma.New()
+		if err != nil {
+			return nil, "", fmt.Errorf("--transport rdma: %w", err)
+		}
+		return p, fmt.Sprintf("rdma (devices %v)", rdma.Devices()), nil
+	case "auto":
+		devs := rdma.Devices()
+		if len(devs) == 0 {
+			return tcp.New("tcp"), "tcp (auto: no RDMA device in " + rdma.SysfsDir + ")", nil
+		}
+		p, err := rdma.New()
+		if err != nil {
+			return tcp.New("tcp"), fmt.Sprintf("tcp (auto: RDMA devices %v unusable: %v)", devs, err), nil
+		}
+		return p, fmt.Sprintf("rdma (auto: devices %v)", devs), nil
+	}
+	return nil, "", fmt.Errorf("--transport %q: want one of %s", name, Names)
+}
