@@ -6,6 +6,7 @@ import (
 	"sync"
 
 	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
 )
@@ -31,6 +32,8 @@ type ioBuf struct {
 	ops    []link.Op
 	grants []*grant
 	idxs   []uint64
+	done   protocol.Done
+	ranges [1]protocol.Range
 }
 
 func newBufPool(region transport.Region, slotSize int) *bufPool {
@@ -54,13 +57,15 @@ func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
 	}
 	b := p.bufs.Get().(*ioBuf)
 	b.slots, b.Segs = b.slots[:0], b.Segs[:0]
-	stop := context.AfterFunc(ctx, func() {
-		p.mu.Lock()
-		p.cond.Broadcast()
-		p.mu.Unlock()
-	})
-	defer stop()
 	p.mu.Lock()
+	if len(p.free) < k {
+		stop := context.AfterFunc(ctx, func() {
+			p.mu.Lock()
+			p.cond.Broadcast()
+			p.mu.Unlock()
+		})
+		defer stop()
+	}
 	for len(p.free) < k {
 		if err := ctx.Err(); err != nil {
 			p.mu.Unlock()

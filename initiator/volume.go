@@ -425,7 +425,7 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 			v.m.rdmaBytes.WithLabelValues(op).Add(float64(n))
 		}
 		if err == nil && write {
-			err = v.done(ctx, off, n, fua)
+			err = v.done(ctx, b, off, n, fua)
 		}
 		v.releaseGrants(b)
 		if errors.Is(err, transport.ErrQueueFull) && attempt < 100 {
@@ -442,14 +442,16 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 
 // done reports a written range; it is sent before the grants are released
 // so that the target sees it before any RevokeAck for those chunks.
-func (v *Volume) done(ctx context.Context, off, n uint64, fua bool) error {
-	d := protocol.Done{Handle: v.info.Handle, Ranges: []protocol.Range{{Offset: off, Length: n}}}
+func (v *Volume) done(ctx context.Context, b *ioBuf, off, n uint64, fua bool) error {
+	d := &b.done
+	b.ranges[0] = protocol.Range{Offset: off, Length: n}
+	*d = protocol.Done{Handle: v.info.Handle, Ranges: b.ranges[:]}
 	if !fua {
-		return v.link.Send(ctx, 0, &d)
+		return v.link.Send(ctx, 0, d)
 	}
 	d.Flags = protocol.DoneFUA
 	start := time.Now()
-	err := v.link.Request(ctx, &d, &protocol.OK{})
+	err := v.link.Request(ctx, d, &protocol.OK{})
 	v.m.controlSeconds.WithLabelValues("fua").Observe(time.Since(start).Seconds())
 	return err
 }

@@ -219,18 +219,25 @@ func (l *Link) fail(err error) {
 // acquire takes a send slot and, unless credit is true, a peer credit while
 // keeping one credit in reserve for Credit messages.
 func (l *Link) acquire(ctx context.Context, creditMsg bool) (int, error) {
+	reserve := 1
+	if creditMsg {
+		reserve = 0
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.down == nil && len(l.freeSend) > 0 && l.credits > reserve {
+		// Fast path, without arming a wake-up on ctx.
+		slot := l.freeSend[len(l.freeSend)-1]
+		l.freeSend = l.freeSend[:len(l.freeSend)-1]
+		l.credits--
+		return slot, nil
+	}
 	stopWake := context.AfterFunc(ctx, func() {
 		l.mu.Lock()
 		l.cond.Broadcast()
 		l.mu.Unlock()
 	})
 	defer stopWake()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	reserve := 1
-	if creditMsg {
-		reserve = 0
-	}
 	for {
 		if l.down != nil {
 			return 0, l.down
