@@ -14,6 +14,7 @@ type Metrics struct {
 	controlSeconds *prometheus.HistogramVec
 	errors         *prometheus.CounterVec
 	sessions       prometheus.Gauge
+	reconnects     prometheus.Counter
 }
 
 // NewMetrics creates the collectors and registers them with reg (if not nil).
@@ -36,11 +37,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Time of control requests to the target (flush, trim, write_zeroes, fua), by kind.", Buckets: buckets}, []string{"op"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "errors_total",
 			Help: "Failed operations, by kind."}, []string{"op"}),
-		sessions: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
+		sessions:   prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
+		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "reconnects_total", Help: "Connections to the target made again after one was lost."}),
 	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
-			m.grantsHeld, m.controlSeconds, m.errors, m.sessions)
+			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects)
 	}
 	return m
 }

@@ -8,14 +8,13 @@ import (
 	"github.com/rblk/rblk/initiator/nbd"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
-	"github.com/rblk/rblk/transport"
 )
 
-// bufPool lends registered memory for IO: a region of fixed-size slots, of
+// bufPool lends memory for IO (registered on each session's connection): fixed-size slots, of
 // which a request takes as many as its length needs, all at once (so two
 // large requests can never each hold half of what they need).
 type bufPool struct {
-	region   transport.Region
+	mem      []byte
 	slotSize int
 
 	mu   sync.Mutex
@@ -36,10 +35,10 @@ type ioBuf struct {
 	ranges [1]protocol.Range
 }
 
-func newBufPool(region transport.Region, slotSize int) *bufPool {
-	p := &bufPool{region: region, slotSize: slotSize}
+func newBufPool(mem []byte, slotSize int) *bufPool {
+	p := &bufPool{mem: mem, slotSize: slotSize}
 	p.cond = sync.NewCond(&p.mu)
-	n := len(region.Bytes()) / slotSize
+	n := len(mem) / slotSize
 	for i := n - 1; i >= 0; i-- {
 		p.free = append(p.free, i)
 	}
@@ -47,7 +46,7 @@ func newBufPool(region transport.Region, slotSize int) *bufPool {
 	return p
 }
 
-func (p *bufPool) capacity() int { return len(p.region.Bytes()) / p.slotSize * p.slotSize }
+func (p *bufPool) capacity() int { return len(p.mem) / p.slotSize * p.slotSize }
 
 // alloc takes the slots for n bytes, waiting while the pool is short.
 func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
@@ -77,7 +76,7 @@ func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
 	b.slots = append(b.slots, p.free[len(p.free)-k:]...)
 	p.free = p.free[:len(p.free)-k]
 	p.mu.Unlock()
-	mem := p.region.Bytes()
+	mem := p.mem
 	for i, s := range b.slots {
 		l := min(p.slotSize, n-i*p.slotSize)
 		b.Segs = append(b.Segs, mem[s*p.slotSize:s*p.slotSize+l])

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -24,6 +25,9 @@ const (
 	// MaxRequest is the largest NBD request served, the limit the NBD
 	// protocol asks clients to stay under.
 	MaxRequest = 32 << 20
+	// DefaultReconnectTimeout is how long IO waits for the target to come
+	// back after the connection is lost.
+	DefaultReconnectTimeout = 2 * time.Minute
 )
 
 // Options configure Open.
@@ -39,6 +43,10 @@ type Options struct {
 	// DefaultPoolSize); it bounds the bytes of requests in flight, and must
 	// be at least MaxRequest.
 	PoolSize int
+	// ReconnectTimeout bounds how long the volume tries to reconnect after
+	// the connection to the target is lost, while IO waits. Zero means
+	// DefaultReconnectTimeout; negative means no reconnection.
+	ReconnectTimeout time.Duration
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Metrics, if not nil, are updated; see NewMetrics.
@@ -58,25 +66,51 @@ type grant struct {
 	fetching chan struct{} // non-nil while the GrantRequest is in flight
 }
 
+// session is one connection to the target with the volume open on it.
+// Grants belong to a session: a new session starts with none.
+type session struct {
+	v      *Volume
+	link   *link.Link
+	region transport.Region // the IO buffers, registered on this connection
+	info   protocol.VolumeInfo
+	grants map[uint64]*grant // guarded by v.mu
+	wg     sync.WaitGroup    // revoke and drain goroutines
+
+	inflight int  // operations using the session (v.mu)
+	draining bool // the target is shutting down: no new operations (v.mu)
+}
+
 // Volume is an open remote volume. It implements nbd.Backend: reads are
 // RDMA READs from granted chunks of the target's memory, writes are RDMA
 // WRITEs followed by a Done message.
+//
+// When the connection to the target is lost, the volume reconnects (for up
+// to Options.ReconnectTimeout) while IO waits, and IO that was in flight is
+// done again on the new connection. Writes the target acknowledged but had
+// not made durable may have been lost with the target's memory; if there were
+// any (writes since the last successful flush), the next Flush fails with EIO
+// once, as a disk reports a lost volatile write cache.
 type Volume struct {
 	opts Options
 	log  *zap.Logger
 	m    *Metrics
-	link *link.Link
-	info protocol.VolumeInfo
+	info protocol.VolumeInfo // of the first session: size, chunk size, flags
+	mem  *transport.Memory
+	pool *bufPool
 
-	mem    *transport.Memory
-	region transport.Region
-	pool   *bufPool
+	mu      sync.Mutex
+	cond    *sync.Cond    // signalled when a grant's refs drop to zero
+	sess    *session      // nil while reconnecting
+	changed chan struct{} // closed and replaced when sess changes
+	failed  error         // set when the volume gave up or was closed
+	done    chan struct{} // closed with failed
 
-	mu     sync.Mutex
-	cond   *sync.Cond // signalled when a grant's refs drop to zero
-	grants map[uint64]*grant
+	writes    atomic.Uint64 // writes acknowledged
+	flushedAt uint64        // writes covered by the last successful flush (mu)
+	lost      bool          // writes may have been lost with a session (mu)
 
-	wg        sync.WaitGroup // revoke goroutines
+	stop      chan struct{}
+	superDone chan struct{}
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -86,6 +120,11 @@ var _ nbd.Backend = (*Volume)(nil)
 // ErrClosed is returned by IO on a closed volume.
 var ErrClosed = errors.New("volume closed")
 
+// ErrLostWrites is returned by Flush once after a lost connection when
+// writes acknowledged since the previous flush may not have reached the
+// backing file.
+var ErrLostWrites = errors.New("writes since the last flush may have been lost with the connection to the target")
+
 // Open connects to the target, opens the export and sets up the IO buffers.
 func Open(ctx context.Context, opts Options) (*Volume, error) {
 	if opts.PoolSize == 0 {
@@ -94,48 +133,209 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	if opts.PoolSize < MaxRequest {
 		return nil, fmt.Errorf("buffer pool of %d bytes: need at least %d", opts.PoolSize, MaxRequest)
 	}
+	if opts.ReconnectTimeout == 0 {
+		opts.ReconnectTimeout = DefaultReconnectTimeout
+	}
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
-	v := &Volume{opts: opts, log: opts.Logger, m: opts.Metrics, grants: make(map[uint64]*grant)}
+	v := &Volume{opts: opts, log: opts.Logger, m: opts.Metrics, changed: make(chan struct{}),
+		done: make(chan struct{}), stop: make(chan struct{}), superDone: make(chan struct{})}
 	v.cond = sync.NewCond(&v.mu)
-	l, err := link.Dial(ctx, opts.Provider, opts.Target, link.Options{Handler: v.handle, Logger: opts.Logger})
+	mem, err := transport.AllocMemory(opts.PoolSize, false)
 	if err != nil {
-		return nil, err
-	}
-	v.link = l
-	mode := protocol.ModeReadWrite
-	if opts.ReadOnly {
-		mode = protocol.ModeReadOnly
-	}
-	if err := l.Request(ctx, &protocol.Open{Mode: mode, Name: opts.Export}, &v.info); err != nil {
-		l.Close()
-		return nil, fmt.Errorf("open volume %q on %s: %w", opts.Export, opts.Target, err)
-	}
-	if v.info.ChunkSize == 0 || v.info.VolumeSize == 0 {
-		l.Close()
-		return nil, fmt.Errorf("open volume %q: target reports size %d, chunk size %d: %w", opts.Export, v.info.VolumeSize, v.info.ChunkSize, protocol.ErrProtocol)
-	}
-	v.mem, err = transport.AllocMemory(opts.PoolSize, false)
-	if err == nil {
-		v.region, err = l.Conn().Register(v.mem.Bytes(), transport.AccessLocalWrite)
-		if err != nil {
-			v.mem.Free()
-		}
-	}
-	if err != nil {
-		l.Close()
 		return nil, fmt.Errorf("open volume %q: IO buffers: %w", opts.Export, err)
 	}
-	v.pool = newBufPool(v.region, DefaultSlotSize)
+	v.mem = mem
+	v.pool = newBufPool(mem.Bytes(), DefaultSlotSize)
+	s, err := v.connect(ctx)
+	if err != nil {
+		mem.Free()
+		return nil, err
+	}
+	v.info = s.info
+	v.sess = s
 	v.m.sessions.Set(1)
 	v.log.Info("volume opened", zap.String("export", opts.Export), zap.String("target", opts.Target),
 		zap.String("transport", opts.Provider.Name()), zap.Uint64("size", v.info.VolumeSize),
 		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()))
+	go v.supervise(s)
 	return v, nil
+}
+
+// connect dials the target, opens the volume and registers the IO buffers.
+func (v *Volume) connect(ctx context.Context) (*session, error) {
+	s := &session{v: v, grants: make(map[uint64]*grant)}
+	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log})
+	if err != nil {
+		return nil, err
+	}
+	s.link = l
+	mode := protocol.ModeReadWrite
+	if v.opts.ReadOnly {
+		mode = protocol.ModeReadOnly
+	}
+	if err := l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export}, &s.info); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+	}
+	if s.info.ChunkSize == 0 || s.info.VolumeSize == 0 {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q: target reports size %d, chunk size %d: %w", v.opts.Export, s.info.VolumeSize, s.info.ChunkSize, protocol.ErrProtocol)
+	}
+	if v.info.ChunkSize != 0 && (s.info.VolumeSize != v.info.VolumeSize || s.info.ChunkSize != v.info.ChunkSize) {
+		l.Close()
+		return nil, fmt.Errorf("volume %q changed on %s: size %d, chunk size %d, was %d and %d", v.opts.Export, v.opts.Target,
+			s.info.VolumeSize, s.info.ChunkSize, v.info.VolumeSize, v.info.ChunkSize)
+	}
+	s.region, err = l.Conn().Register(v.mem.Bytes(), transport.AccessLocalWrite)
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q: register IO buffers: %w", v.opts.Export, err)
+	}
+	return s, nil
+}
+
+// teardown closes the session's connection and waits for its goroutines.
+func (s *session) teardown() {
+	s.link.Close()
+	s.wg.Wait()
+	s.region.Deregister()
+	s.v.mu.Lock()
+	for idx, g := range s.grants {
+		if g.valid {
+			s.v.m.grantsHeld.Dec()
+		}
+		g.valid = false
+		delete(s.grants, idx)
+	}
+	s.v.mu.Unlock()
+}
+
+// supervise waits for the session to go down and reconnects.
+func (v *Volume) supervise(s *session) {
+	defer close(v.superDone)
+	for {
+		select {
+		case <-v.stop:
+			return
+		case <-s.link.Done():
+		}
+		v.mu.Lock()
+		v.sess = nil
+		if v.writes.Load() > v.flushedAt {
+			v.lost = true
+		}
+		v.mu.Unlock()
+		v.m.sessions.Set(0)
+		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(s.link.Err()))
+		s.teardown()
+		if v.opts.ReconnectTimeout < 0 {
+			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, s.link.Err()))
+			return
+		}
+		ns, err := v.reconnect()
+		if err != nil {
+			v.fail(err)
+			return
+		}
+		v.mu.Lock()
+		v.sess = ns
+		close(v.changed)
+		v.changed = make(chan struct{})
+		v.mu.Unlock()
+		v.m.sessions.Set(1)
+		v.m.reconnects.Inc()
+		v.log.Info("reconnected", zap.String("target", v.opts.Target), zap.String("export", v.opts.Export))
+		s = ns
+	}
+}
+
+// reconnect dials until it succeeds, the timeout passes or the volume closes.
+func (v *Volume) reconnect() (*session, error) {
+	deadline := time.Now().Add(v.opts.ReconnectTimeout)
+	wait := 50 * time.Millisecond
+	var lastErr error
+	for attempt := 1; ; attempt++ {
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		go func() {
+			select {
+			case <-v.stop:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		s, err := v.connect(ctx)
+		cancel()
+		if err == nil {
+			return s, nil
+		}
+		lastErr = err
+		if attempt == 1 || attempt%20 == 0 {
+			v.log.Info("reconnecting", zap.String("target", v.opts.Target), zap.Int("attempt", attempt), zap.Error(err))
+		}
+		select {
+		case <-v.stop:
+			return nil, ErrClosed
+		case <-time.After(wait):
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("target %s did not come back within %v: %w", v.opts.Target, v.opts.ReconnectTimeout, lastErr)
+		}
+		wait = min(wait*2, 2*time.Second)
+	}
+}
+
+// fail ends the volume: IO fails from now on.
+func (v *Volume) fail(err error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.failed != nil {
+		return
+	}
+	v.failed = err
+	close(v.done)
+	close(v.changed)
+	v.changed = make(chan struct{})
+	v.log.Error("volume failed", zap.String("export", v.opts.Export), zap.Error(err))
+}
+
+// current returns the session to do IO on, waiting while reconnecting.
+// The caller calls put when it no longer uses it.
+func (v *Volume) current(ctx context.Context) (*session, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for {
+		if v.failed != nil {
+			return nil, v.failed
+		}
+		if s := v.sess; s != nil && !s.draining && s.link.Err() == nil {
+			s.inflight++
+			return s, nil
+		}
+		ch := v.changed
+		v.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			v.mu.Lock()
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond): // the link went down, supervise has not noticed yet
+		}
+		v.mu.Lock()
+	}
+}
+
+func (v *Volume) put(s *session) {
+	v.mu.Lock()
+	s.inflight--
+	if s.inflight == 0 && s.draining {
+		v.cond.Broadcast()
+	}
+	v.mu.Unlock()
 }
 
 // Size is the volume's size in bytes.
@@ -152,47 +352,93 @@ func (v *Volume) Flags() protocol.VolumeFlags { return v.info.Flags }
 // ChunkSize is the target's unit of granting.
 func (v *Volume) ChunkSize() uint64 { return uint64(v.info.ChunkSize) }
 
-// Done is closed when the session with the target is down.
-func (v *Volume) Done() <-chan struct{} { return v.link.Done() }
+// Done is closed when the volume is closed or gave up reconnecting.
+func (v *Volume) Done() <-chan struct{} { return v.done }
 
-// Err is why the session went down, or nil.
-func (v *Volume) Err() error { return v.link.Err() }
+// Err is why the volume ended, or nil.
+func (v *Volume) Err() error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.failed
+}
 
 // handle runs on the link's completion goroutine.
-func (v *Volume) handle(h protocol.Header, payload []byte) {
+func (s *session) handle(h protocol.Header, payload []byte) {
 	switch h.Type {
 	case protocol.TypeRevoke:
 		var r protocol.Revoke
 		if err := r.Unmarshal(payload); err != nil {
-			v.protocolError(fmt.Errorf("decode Revoke: %w", err))
+			s.protocolError(fmt.Errorf("decode Revoke: %w", err))
 			return
 		}
-		v.wg.Add(1)
+		s.wg.Add(1)
 		go func() {
-			defer v.wg.Done()
-			v.revoke(h.Tag, &r)
+			defer s.wg.Done()
+			s.revoke(h.Tag, &r)
+		}()
+	case protocol.TypeError:
+		var em protocol.ErrorMsg
+		if err := em.Unmarshal(payload); err != nil {
+			s.protocolError(fmt.Errorf("decode Error: %w", err))
+			return
+		}
+		if em.Code != protocol.CodeShutdown {
+			s.protocolError(fmt.Errorf("error notice from target: %w", em.Err()))
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.drain()
 		}()
 	default:
-		v.protocolError(fmt.Errorf("unexpected %v from target: %w", h.Type, protocol.ErrProtocol))
+		s.protocolError(fmt.Errorf("unexpected %v from target: %w", h.Type, protocol.ErrProtocol))
 	}
 }
 
-func (v *Volume) protocolError(err error) {
-	v.m.errors.WithLabelValues("protocol").Inc()
-	v.log.Error("protocol error, closing session", zap.Error(err))
-	go v.link.Close()
+// drain answers the target's shutdown notice: no new IO starts on the
+// session, IO in flight finishes (and sends its Done), then a flush makes
+// every acknowledged write durable and the connection is closed. IO waits
+// for the reconnection meanwhile, and nothing is reported lost.
+func (s *session) drain() {
+	v := s.v
+	v.log.Info("target is shutting down: finishing IO in flight and flushing", zap.String("target", v.opts.Target))
+	v.mu.Lock()
+	s.draining = true
+	for s.inflight > 0 && s.link.Err() == nil {
+		v.cond.Wait()
+	}
+	v.mu.Unlock()
+	writes := v.writes.Load()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.link.Request(ctx, &protocol.Flush{Handle: s.info.Handle}, &protocol.OK{}); err == nil {
+		v.mu.Lock()
+		v.flushedAt = max(v.flushedAt, writes)
+		v.mu.Unlock()
+	} else {
+		v.log.Warn("flush before the target's shutdown failed", zap.Error(err))
+	}
+	s.link.Close()
+}
+
+func (s *session) protocolError(err error) {
+	s.v.m.errors.WithLabelValues("protocol").Inc()
+	s.v.log.Error("protocol error, closing the connection", zap.Error(err))
+	go s.link.Close()
 }
 
 // revoke stops new IO on the grant, waits for IO in flight on it (whose
 // Done messages are sent before they release it), then acknowledges.
-func (v *Volume) revoke(tag uint64, r *protocol.Revoke) {
+func (s *session) revoke(tag uint64, r *protocol.Revoke) {
+	v := s.v
 	v.m.revokes.Inc()
-	idx := r.Offset / uint64(v.info.ChunkSize)
+	idx := r.Offset / uint64(s.info.ChunkSize)
 	v.mu.Lock()
 	// The Revoke may overtake the reply of a grant being fetched: wait for
 	// the fetch to finish before deciding whether this generation is held.
 	for {
-		g := v.grants[idx]
+		g := s.grants[idx]
 		if g == nil || g.fetching == nil {
 			break
 		}
@@ -200,16 +446,16 @@ func (v *Volume) revoke(tag uint64, r *protocol.Revoke) {
 		v.mu.Unlock()
 		select {
 		case <-ch:
-		case <-v.link.Done():
+		case <-s.link.Done():
 		}
 		v.mu.Lock()
-		if v.link.Err() != nil {
+		if s.link.Err() != nil {
 			break
 		}
 	}
-	if g := v.grants[idx]; g != nil && g.valid && g.gen == r.Generation {
+	if g := s.grants[idx]; g != nil && g.valid && g.gen == r.Generation {
 		g.valid = false
-		delete(v.grants, idx)
+		delete(s.grants, idx)
 		v.m.grantsHeld.Dec()
 		for g.refs > 0 {
 			v.cond.Wait()
@@ -217,7 +463,7 @@ func (v *Volume) revoke(tag uint64, r *protocol.Revoke) {
 	}
 	v.mu.Unlock()
 	ack := protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}
-	if err := v.link.Send(context.Background(), tag, &ack); err != nil && v.link.Err() == nil {
+	if err := s.link.Send(context.Background(), tag, &ack); err != nil && s.link.Err() == nil {
 		v.log.Warn("revoke ack", zap.Error(err))
 	}
 }
@@ -225,19 +471,20 @@ func (v *Volume) revoke(tag uint64, r *protocol.Revoke) {
 // acquire makes sure the chunks idxs are granted, then takes a reference on
 // each, all at once: no reference is held while waiting for a grant, so a
 // revoke never waits on an IO that waits on another grant.
-func (v *Volume) acquire(ctx context.Context, b *ioBuf, write bool) error {
+func (s *session) acquire(ctx context.Context, b *ioBuf, write bool) error {
+	v := s.v
 	v.mu.Lock()
 	for {
 		missing := -1
 		for i, idx := range b.idxs {
-			if g := v.grants[idx]; g == nil || !g.valid || (write && !g.writable) {
+			if g := s.grants[idx]; g == nil || !g.valid || (write && !g.writable) {
 				missing = i
 				break
 			}
 		}
 		if missing < 0 {
 			for _, idx := range b.idxs {
-				g := v.grants[idx]
+				g := s.grants[idx]
 				g.refs++
 				b.grants = append(b.grants, g)
 			}
@@ -245,33 +492,33 @@ func (v *Volume) acquire(ctx context.Context, b *ioBuf, write bool) error {
 			return nil
 		}
 		idx := b.idxs[missing]
-		if g := v.grants[idx]; g != nil && g.fetching != nil {
+		if g := s.grants[idx]; g != nil && g.fetching != nil {
 			ch := g.fetching
 			v.mu.Unlock()
 			select {
 			case <-ch:
 			case <-ctx.Done():
 				return ctx.Err()
-			case <-v.link.Done():
-				return v.linkErr()
+			case <-s.link.Done():
+				return s.link.Err()
 			}
 			v.mu.Lock()
 			continue
 		}
 		g := &grant{fetching: make(chan struct{})}
-		old := v.grants[idx]
-		v.grants[idx] = g
+		old := s.grants[idx]
+		s.grants[idx] = g
 		v.mu.Unlock()
 		if old != nil && old.valid {
 			v.m.grantsHeld.Dec() // replaced by a writable one
 		}
-		err := v.fetch(ctx, idx, g)
+		err := s.fetch(ctx, idx, g)
 		v.mu.Lock()
 		close(g.fetching)
 		g.fetching = nil
 		if err != nil {
-			if v.grants[idx] == g {
-				delete(v.grants, idx)
+			if s.grants[idx] == g {
+				delete(s.grants, idx)
 			}
 			v.mu.Unlock()
 			return err
@@ -279,29 +526,23 @@ func (v *Volume) acquire(ctx context.Context, b *ioBuf, write bool) error {
 	}
 }
 
-func (v *Volume) linkErr() error {
-	if err := v.link.Err(); err != nil {
-		return fmt.Errorf("%w: %w", syscall.ESHUTDOWN, err)
-	}
-	return syscall.ESHUTDOWN
-}
-
 // fetch asks the target for a grant of chunk idx and fills g.
-func (v *Volume) fetch(ctx context.Context, idx uint64, g *grant) error {
+func (s *session) fetch(ctx context.Context, idx uint64, g *grant) error {
+	v := s.v
 	start := time.Now()
-	req := protocol.GrantRequest{Handle: v.info.Handle, Offset: idx * uint64(v.info.ChunkSize)}
+	req := protocol.GrantRequest{Handle: s.info.Handle, Offset: idx * uint64(s.info.ChunkSize)}
 	if !v.ReadOnly() {
 		req.Flags = protocol.GrantWrite
 	}
 	var gr protocol.Grant
 	v.m.grantRequests.Inc()
-	if err := v.link.Request(ctx, &req, &gr); err != nil {
+	if err := s.link.Request(ctx, &req, &gr); err != nil {
 		v.m.errors.WithLabelValues("grant").Inc()
 		return fmt.Errorf("grant of chunk at %d: %w", req.Offset, err)
 	}
 	v.m.grantSeconds.Observe(time.Since(start).Seconds())
-	if gr.Offset != req.Offset || gr.Length == 0 || gr.Length > v.info.ChunkSize {
-		v.protocolError(fmt.Errorf("grant for %d covers %d+%d: %w", req.Offset, gr.Offset, gr.Length, protocol.ErrProtocol))
+	if gr.Offset != req.Offset || gr.Length == 0 || gr.Length > s.info.ChunkSize {
+		s.protocolError(fmt.Errorf("grant for %d covers %d+%d: %w", req.Offset, gr.Offset, gr.Length, protocol.ErrProtocol))
 		return protocol.ErrProtocol
 	}
 	v.mu.Lock()
@@ -326,28 +567,20 @@ func (v *Volume) releaseGrants(b *ioBuf) {
 	b.grants = b.grants[:0]
 }
 
-// plan fills b.idxs with the chunks of [off, off+n).
-func (v *Volume) plan(b *ioBuf, off, n uint64) {
-	cs := uint64(v.info.ChunkSize)
-	b.idxs = b.idxs[:0]
-	for idx := off / cs; idx*cs < off+n; idx++ {
-		b.idxs = append(b.idxs, idx)
-	}
-}
-
 // ops fills b.ops with one operation per piece of b's segments within one
 // chunk. b.grants holds the grants of b.idxs.
-func (v *Volume) ops(b *ioBuf, off uint64, write bool) {
+func (s *session) ops(b *ioBuf, off uint64, write bool) {
 	b.ops = b.ops[:0]
-	cs := uint64(v.info.ChunkSize)
+	cs := uint64(s.info.ChunkSize)
 	first := off / cs
 	pos := off
+	slot := s.v.pool.slotSize
 	for si, seg := range b.Segs {
 		for so := 0; so < len(seg); {
 			g := b.grants[pos/cs-first]
 			n := min(uint64(len(seg)-so), g.off+g.length-pos)
 			b.ops = append(b.ops, link.Op{Write: write, Addr: g.addr + (pos - g.off), RKey: g.rkey,
-				Local: transport.SGE{Region: v.region, Offset: b.slots[si]*v.pool.slotSize + so, Length: int(n)}})
+				Local: transport.SGE{Region: s.region, Offset: b.slots[si]*slot + so, Length: int(n)}})
 			so += int(n)
 			pos += n
 		}
@@ -398,6 +631,31 @@ func (v *Volume) WriteAt(ctx context.Context, nb *nbd.Buffer, off uint64, fua bo
 	return v.io(ctx, nb.Priv.(*ioBuf), off, true, fua)
 }
 
+// retry runs op on the current session until it succeeds, fails for a
+// reason other than a lost connection, or no session comes back.
+func (v *Volume) retry(ctx context.Context, what string, op func(*session) error) error {
+	for attempt := 0; ; attempt++ {
+		s, err := v.current(ctx)
+		if err != nil {
+			v.m.errors.WithLabelValues(what).Inc()
+			return v.mapErr(fmt.Errorf("%s: %w", what, err))
+		}
+		err = op(s)
+		v.put(s)
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, link.ErrDown) && v.opts.ReconnectTimeout >= 0 && ctx.Err() == nil:
+			continue // done again once reconnected
+		case errors.Is(err, transport.ErrQueueFull) && attempt < 1000:
+			time.Sleep(time.Duration(min(attempt+1, 20)) * 50 * time.Microsecond)
+			continue
+		}
+		v.m.errors.WithLabelValues(what).Inc()
+		return v.mapErr(fmt.Errorf("%s: %w", what, err))
+	}
+}
+
 func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) error {
 	n := bufLen(b)
 	if n == 0 {
@@ -411,48 +669,53 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 		op = "write"
 	}
 	v.plan(b, off, n)
-	for attempt := 0; ; attempt++ {
-		if err := v.acquire(ctx, b, write); err != nil {
-			v.m.errors.WithLabelValues(op).Inc()
-			return v.mapErr(err)
+	err := v.retry(ctx, op, func(s *session) error {
+		if err := s.acquire(ctx, b, write); err != nil {
+			return err
 		}
-		v.ops(b, off, write)
+		defer v.releaseGrants(b)
+		s.ops(b, off, write)
 		start := time.Now()
-		err := v.link.RDMA(ctx, b.ops...)
-		if err == nil {
-			v.m.rdmaSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
-			v.m.rdmaOps.WithLabelValues(op).Add(float64(len(b.ops)))
-			v.m.rdmaBytes.WithLabelValues(op).Add(float64(n))
+		if err := s.link.RDMA(ctx, b.ops...); err != nil {
+			return err
 		}
-		if err == nil && write {
-			err = v.done(ctx, b, off, n, fua)
-		}
-		v.releaseGrants(b)
-		if errors.Is(err, transport.ErrQueueFull) && attempt < 100 {
-			time.Sleep(time.Duration(attempt+1) * 50 * time.Microsecond)
-			continue
-		}
-		if err != nil {
-			v.m.errors.WithLabelValues(op).Inc()
-			return v.mapErr(err)
+		v.m.rdmaSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
+		v.m.rdmaOps.WithLabelValues(op).Add(float64(len(b.ops)))
+		v.m.rdmaBytes.WithLabelValues(op).Add(float64(n))
+		if write {
+			// Sent before the grants are released, so that the target
+			// sees it before any RevokeAck for those chunks.
+			return s.done(ctx, b, off, n, fua)
 		}
 		return nil
+	})
+	if err == nil && write {
+		v.writes.Add(1)
+	}
+	return err
+}
+
+// plan fills b.idxs with the chunks of [off, off+n).
+func (v *Volume) plan(b *ioBuf, off, n uint64) {
+	cs := uint64(v.info.ChunkSize)
+	b.idxs = b.idxs[:0]
+	for idx := off / cs; idx*cs < off+n; idx++ {
+		b.idxs = append(b.idxs, idx)
 	}
 }
 
-// done reports a written range; it is sent before the grants are released
-// so that the target sees it before any RevokeAck for those chunks.
-func (v *Volume) done(ctx context.Context, b *ioBuf, off, n uint64, fua bool) error {
+// done reports a written range.
+func (s *session) done(ctx context.Context, b *ioBuf, off, n uint64, fua bool) error {
 	d := &b.done
 	b.ranges[0] = protocol.Range{Offset: off, Length: n}
-	*d = protocol.Done{Handle: v.info.Handle, Ranges: b.ranges[:]}
+	*d = protocol.Done{Handle: s.info.Handle, Ranges: b.ranges[:]}
 	if !fua {
-		return v.link.Send(ctx, 0, d)
+		return s.link.Send(ctx, 0, d)
 	}
 	d.Flags = protocol.DoneFUA
 	start := time.Now()
-	err := v.link.Request(ctx, d, &protocol.OK{})
-	v.m.controlSeconds.WithLabelValues("fua").Observe(time.Since(start).Seconds())
+	err := s.link.Request(ctx, d, &protocol.OK{})
+	s.v.m.controlSeconds.WithLabelValues("fua").Observe(time.Since(start).Seconds())
 	return err
 }
 
@@ -479,20 +742,33 @@ func (v *Volume) mapErr(err error) error {
 	return fmt.Errorf("%w: %w", code, err)
 }
 
-func (v *Volume) control(ctx context.Context, op string, m protocol.Message) error {
+// control sends a request whose reply is OK, again after a reconnection.
+func (v *Volume) control(ctx context.Context, op string, mk func(handle uint32) protocol.Message) error {
 	start := time.Now()
-	err := v.link.Request(ctx, m, &protocol.OK{})
+	err := v.retry(ctx, op, func(s *session) error {
+		return s.link.Request(ctx, mk(s.info.Handle), &protocol.OK{})
+	})
 	v.m.controlSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
-	if err != nil {
-		v.m.errors.WithLabelValues(op).Inc()
-		return v.mapErr(fmt.Errorf("%s: %w", op, err))
-	}
-	return nil
+	return err
 }
 
-// Flush returns once every write completed before it is durable on the target.
+// Flush returns once every write completed before it is durable on the
+// target. After a lost connection with writes not yet flushed it fails
+// once with EIO (ErrLostWrites).
 func (v *Volume) Flush(ctx context.Context) error {
-	return v.control(ctx, "flush", &protocol.Flush{Handle: v.info.Handle})
+	writes := v.writes.Load()
+	if err := v.control(ctx, "flush", func(h uint32) protocol.Message { return &protocol.Flush{Handle: h} }); err != nil {
+		return err
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.lost {
+		v.lost = false
+		v.m.errors.WithLabelValues("lost_writes").Inc()
+		return fmt.Errorf("flush: %w: %w", syscall.EIO, ErrLostWrites)
+	}
+	v.flushedAt = max(v.flushedAt, writes)
+	return nil
 }
 
 // Trim discards a range; it then reads as zeroes.
@@ -503,11 +779,13 @@ func (v *Volume) Trim(ctx context.Context, off, n uint64, fua bool) error {
 	if err := v.check(off, n); err != nil || n == 0 {
 		return err
 	}
-	t := &protocol.Trim{Handle: v.info.Handle, Offset: off, Length: n}
+	var flags uint32
 	if fua {
-		t.Flags = protocol.FlagFUA
+		flags = protocol.FlagFUA
 	}
-	return v.control(ctx, "trim", t)
+	return v.control(ctx, "trim", func(h uint32) protocol.Message {
+		return &protocol.Trim{Handle: h, Flags: flags, Offset: off, Length: n}
+	})
 }
 
 // WriteZeroes zeroes a range, keeping it allocated if noHole.
@@ -518,14 +796,16 @@ func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua boo
 	if err := v.check(off, n); err != nil || n == 0 {
 		return err
 	}
-	z := &protocol.WriteZeroes{Handle: v.info.Handle, Offset: off, Length: n}
+	var flags uint32
 	if fua {
-		z.Flags |= protocol.FlagFUA
+		flags |= protocol.FlagFUA
 	}
 	if noHole {
-		z.Flags |= protocol.FlagNoHole
+		flags |= protocol.FlagNoHole
 	}
-	return v.control(ctx, "write_zeroes", z)
+	return v.control(ctx, "write_zeroes", func(h uint32) protocol.Message {
+		return &protocol.WriteZeroes{Handle: h, Flags: flags, Offset: off, Length: n}
+	})
 }
 
 // Close flushes (for a writable volume), closes the volume on the target
@@ -533,19 +813,31 @@ func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua boo
 func (v *Volume) Close(ctx context.Context) error {
 	v.closeOnce.Do(func() {
 		var errs []error
-		if v.link.Err() == nil {
+		v.mu.Lock()
+		s, failed := v.sess, v.failed
+		v.mu.Unlock()
+		if failed == nil && s != nil && s.link.Err() == nil {
 			if !v.ReadOnly() {
 				if err := v.Flush(ctx); err != nil {
 					errs = append(errs, err)
 				}
 			}
-			if err := v.link.Request(ctx, &protocol.Close{Handle: v.info.Handle}, &protocol.OK{}); err != nil {
+			if err := s.link.Request(ctx, &protocol.Close{Handle: s.info.Handle}, &protocol.OK{}); err != nil {
 				errs = append(errs, fmt.Errorf("close volume: %w", err))
 			}
+		} else if failed != nil {
+			errs = append(errs, failed)
 		}
-		v.link.Close()
-		v.wg.Wait()
-		v.region.Deregister()
+		close(v.stop)
+		<-v.superDone
+		v.mu.Lock()
+		s = v.sess
+		v.sess = nil
+		v.mu.Unlock()
+		if s != nil {
+			s.teardown()
+		}
+		v.fail(ErrClosed)
 		v.mem.Free()
 		v.m.sessions.Set(0)
 		v.closeErr = errors.Join(errs...)
@@ -581,4 +873,3 @@ func (v *Volume) NBDExport(name string) *nbd.Export {
 		MinBlock: 1, PrefBlock: 4096, MaxBlock: MaxRequest, Backend: v,
 	}
 }
-

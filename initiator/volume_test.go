@@ -20,6 +20,7 @@ import (
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/tcp"
+	"github.com/rblk/rblk/transport/transporttest/faultnet"
 )
 
 type rig struct {
@@ -35,8 +36,11 @@ type rig struct {
 // startTarget serves one export of size bytes at path on a loopback port.
 func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool) *rig {
 	t.Helper()
-	dir := t.TempDir()
-	path := filepath.Join(dir, "vol.img")
+	return startTargetAt(t, filepath.Join(t.TempDir(), "vol.img"), "127.0.0.1:0", size, cache, chunk, ro)
+}
+
+func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chunk int, ro bool) *rig {
+	t.Helper()
 	if ro {
 		if err := os.WriteFile(path, bytes.Repeat([]byte{0x42}, int(size)), 0o600); err != nil {
 			t.Fatal(err)
@@ -50,7 +54,7 @@ func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool) *rig
 	}
 	p := tcp.New("tcp")
 	ctx, cancel := context.WithCancel(context.Background())
-	l, err := p.Listen(ctx, "127.0.0.1:0")
+	l, err := p.Listen(ctx, addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,10 +78,15 @@ func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool) *rig
 }
 
 func (r *rig) open(ro bool) *initiator.Volume {
+	return r.openWith(initiator.Options{ReadOnly: ro})
+}
+
+func (r *rig) openWith(o initiator.Options) *initiator.Volume {
 	r.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	v, err := initiator.Open(ctx, initiator.Options{Provider: r.p, Target: r.addr, Export: "vol", ReadOnly: ro})
+	o.Provider, o.Target, o.Export = r.p, r.addr, "vol"
+	v, err := initiator.Open(ctx, o)
 	if err != nil {
 		r.t.Fatal(err)
 	}
@@ -245,7 +254,6 @@ func TestWritesSurviveTargetClose(t *testing.T) {
 	}
 }
 
-
 func TestReadOnlyRefusesWrites(t *testing.T) {
 	r := startTarget(t, 1<<20, 1<<20, 64<<10, true)
 	ctx := context.Background()
@@ -275,10 +283,11 @@ func TestOutOfRange(t *testing.T) {
 	}
 }
 
-// TestTargetGoneFailsIO: IO after the target went away fails, and does not hang.
+// TestTargetGoneFailsIO: without reconnection, IO after the target went
+// away fails, and does not hang.
 func TestTargetGoneFailsIO(t *testing.T) {
 	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
-	v := r.open(false)
+	v := r.openWith(initiator.Options{ReconnectTimeout: -1})
 	if err := write(t, v, 0, []byte("before"), false); err != nil {
 		t.Fatal(err)
 	}
@@ -293,5 +302,98 @@ func TestTargetGoneFailsIO(t *testing.T) {
 	}
 	if err := v.Flush(context.Background()); err == nil {
 		t.Fatal("flush after the target stopped succeeded")
+	}
+}
+
+// TestTargetRestart: IO waits while the target restarts and goes on after;
+// the data written before a clean stop is there; a flush after the restart
+// reports that unflushed writes may have been lost, once; flushed writes
+// cause no such report.
+func TestTargetRestart(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "vol.img")
+	r := startTargetAt(t, path, "127.0.0.1:0", 1<<20, 1<<20, 64<<10, false)
+	addr := r.addr
+	v := r.openWith(initiator.Options{ReconnectTimeout: 20 * time.Second})
+
+	// 1. Flushed writes, clean restart: no error anywhere.
+	if err := write(t, v, 0, []byte("flushed"), false); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	r = startTargetAt(t, path, addr, 1<<20, 1<<20, 64<<10, false)
+	got, err := read(t, v, 0, 7)
+	if err != nil || string(got) != "flushed" {
+		t.Fatalf("read after restart: %q, %v", got, err)
+	}
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatalf("flush after a restart with nothing unflushed: %v", err)
+	}
+
+	// 2. Unflushed writes, clean restart while IO is waiting: the target
+	// drains the initiator (IO finishes, flush) before it stops, so
+	// nothing is lost and nothing is reported.
+	if err := write(t, v, 4096, []byte("unflushed"), false); err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	res := make(chan error, 1)
+	go func() { res <- write(t, v, 70000, []byte("during"), false) }()
+	time.Sleep(300 * time.Millisecond)
+	select {
+	case err := <-res:
+		t.Fatalf("write finished while the target was down: %v", err)
+	default:
+	}
+	r = startTargetAt(t, path, addr, 1<<20, 1<<20, 64<<10, false)
+	if err := <-res; err != nil {
+		t.Fatalf("write across the restart: %v", err)
+	}
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatalf("flush after a clean restart: %v", err)
+	}
+	for _, c := range []struct {
+		off  uint64
+		want string
+	}{{0, "flushed"}, {4096, "unflushed"}, {70000, "during"}} {
+		got, err := read(t, v, c.off, len(c.want))
+		if err != nil || string(got) != c.want {
+			t.Fatalf("read at %d: %q, %v; want %q", c.off, got, err, c.want)
+		}
+	}
+}
+
+// TestConnectionLostReportsLostWrites: when the connection breaks without
+// the target's drain (a pulled cable, a crash), writes acknowledged since the
+// last flush may be gone with the target's memory: the next flush says so,
+// once, and IO goes on over a new connection.
+func TestConnectionLostReportsLostWrites(t *testing.T) {
+	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
+	fn := faultnet.Wrap(r.p)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	v, err := initiator.Open(ctx, initiator.Options{Provider: fn, Target: r.addr, Export: "vol", ReconnectTimeout: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close(context.Background())
+	if err := write(t, v, 0, []byte("x"), false); err != nil {
+		t.Fatal(err)
+	}
+	fn.DisconnectAll()
+	if err := write(t, v, 8192, []byte("after"), false); err != nil {
+		t.Fatalf("write after the connection broke: %v", err)
+	}
+	if err := v.Flush(ctx); !errors.Is(err, initiator.ErrLostWrites) || !errors.Is(err, syscall.EIO) {
+		t.Fatalf("flush after a lost connection with unflushed writes: %v, want EIO (lost writes)", err)
+	}
+	if err := v.Flush(ctx); err != nil {
+		t.Fatalf("second flush: %v", err)
+	}
+	got, err := read(t, v, 8192, 5)
+	if err != nil || string(got) != "after" {
+		t.Fatalf("read: %q, %v", got, err)
 	}
 }

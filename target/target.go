@@ -22,6 +22,7 @@ const (
 	DefaultChunkSize     = 1 << 20
 	DefaultRevokeTimeout = 10 * time.Second
 	DefaultWritebackWait = 5 * time.Millisecond
+	DefaultDrainTimeout  = 10 * time.Second
 )
 
 // Options configure a Target.
@@ -40,6 +41,10 @@ type Options struct {
 	// WritebackDelay is how long dirty ranges wait to be coalesced before
 	// they are written back. Default DefaultWritebackWait.
 	WritebackDelay time.Duration
+	// DrainTimeout bounds how long Close waits for initiators to finish
+	// their IO and flush after it announced the shutdown. Default
+	// DefaultDrainTimeout.
+	DrainTimeout time.Duration
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Registerer receives the target's metrics. Default: not registered.
@@ -78,6 +83,9 @@ func New(opts Options) (*Target, error) {
 	}
 	if opts.RevokeTimeout == 0 {
 		opts.RevokeTimeout = DefaultRevokeTimeout
+	}
+	if opts.DrainTimeout == 0 {
+		opts.DrainTimeout = DefaultDrainTimeout
 	}
 	if opts.WritebackDelay == 0 {
 		opts.WritebackDelay = DefaultWritebackWait
@@ -141,8 +149,8 @@ func (t *Target) exportList() *protocol.ExportList {
 }
 
 // Serve accepts initiators on l until ctx ends, l is closed, or the target
-// is closed. It closes l, and the sessions it started end with it; Close
-// waits for them.
+// is closed, then closes l. The sessions it started go on until the target
+// is closed (see Close) or their initiators leave.
 func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -170,7 +178,7 @@ func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 		t.mu.Unlock()
 		go func() {
 			defer t.wg.Done()
-			t.serveSession(ctx, req)
+			t.serveSession(t.ctx, req)
 		}()
 	}
 }
@@ -213,13 +221,23 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	s.log.Info("session ended", zap.NamedError("reason", reason))
 }
 
-// Close ends every session, writes every dirty chunk back, syncs and closes
-// the backing files. Safe to call twice.
+// Close shuts the target down cleanly: it refuses new sessions, tells every
+// initiator that it is shutting down (an Error message with tag 0 and
+// CodeShutdown), gives them DrainTimeout to finish their IO, flush and
+// disconnect, then ends the sessions left, writes every dirty chunk back,
+// syncs and closes the backing files. Safe to call twice.
 func (t *Target) Close() error {
 	t.closeOnce.Do(func() {
-		t.cancel()
 		t.mu.Lock()
 		t.closed = true
+		sessions := make([]*session, 0, len(t.sessions))
+		for s := range t.sessions {
+			sessions = append(sessions, s)
+		}
+		t.mu.Unlock()
+		t.drain(sessions)
+		t.cancel()
+		t.mu.Lock()
 		for s := range t.sessions {
 			s.link.Close()
 		}
@@ -234,4 +252,27 @@ func (t *Target) Close() error {
 		t.closeErr = err
 	})
 	return t.closeErr
+}
+
+// drain announces the shutdown to every session and waits for them to end.
+func (t *Target) drain(sessions []*session) {
+	if len(sessions) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), t.opts.DrainTimeout)
+	defer cancel()
+	notice := &protocol.ErrorMsg{Code: protocol.CodeShutdown, Text: "target shutting down"}
+	for _, s := range sessions {
+		if err := s.link.Send(ctx, 0, notice); err != nil {
+			s.log.Info("shutdown notice not sent", zap.Error(err))
+		}
+	}
+	for _, s := range sessions {
+		select {
+		case <-s.link.Done():
+		case <-ctx.Done():
+			t.log.Warn("initiators did not disconnect in time; closing their sessions", zap.Duration("waited", t.opts.DrainTimeout))
+			return
+		}
+	}
 }

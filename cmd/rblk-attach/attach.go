@@ -34,6 +34,7 @@ func newRootCmd() *cobra.Command {
 type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
 	readOnly, debug                                          bool
+	reconnectTimeout                                         time.Duration
 }
 
 func newAttachCmd() *cobra.Command {
@@ -55,6 +56,8 @@ flushes the volume and detaches.`,
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
 	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (required)")
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
+	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
+		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
@@ -118,7 +121,7 @@ func attach(f attachFlags) error {
 
 	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
 	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export,
-		ReadOnly: f.readOnly, Logger: log, Metrics: initiator.NewMetrics(reg)})
+		ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), Logger: log, Metrics: initiator.NewMetrics(reg)})
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
@@ -156,6 +159,14 @@ func attach(f attachFlags) error {
 		log.Info("detached cleanly")
 	}
 	return runErr
+}
+
+// reconnectOpt maps the flag (0: never) to initiator.Options (negative: never).
+func reconnectOpt(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
 }
 
 func newListCmd() *cobra.Command {

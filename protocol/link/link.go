@@ -513,8 +513,10 @@ func (l *Link) receive(slot, n int) {
 		w.err = l.decodeReply(h, payload, w.reply)
 		w.done <- struct{}{}
 	case h.Type == protocol.TypeCredit:
-	case isReply(h.Type):
+	case isReply(h.Type) && h.Tag != 0:
 		// A reply nobody waits for any more (its request was cancelled).
+		// Tag 0 is never a request's: an Error with tag 0 is a notice
+		// (such as a shutdown) and goes to the handler.
 	default:
 		l.opts.Handler(h, payload)
 	}
