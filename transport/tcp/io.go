@@ -1,0 +1,416 @@
+package tcp
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/rblk/rblk/transport"
+)
+
+var (
+	errPeerClosed = errors.New("peer closed the connection")
+	// errStopped ends the reader when the connection broke under it.
+	errStopped = errors.New("connection stopped")
+)
+
+// protocolError is a frame from the peer that makes no sense.
+type protocolError struct{ msg string }
+
+func (e *protocolError) Error() string { return "protocol error: " + e.msg }
+
+func protoErrorf(format string, args ...any) error {
+	return &protocolError{msg: fmt.Sprintf(format, args...)}
+}
+
+// readLoop is the reader goroutine: the responder for the peer's requests
+// and the receiver of acknowledgements and READ responses.
+func (c *conn) readLoop() {
+	defer c.wg.Done()
+	err := c.serve()
+	c.mu.Lock()
+	c.breakLocked(err)
+	c.mu.Unlock()
+}
+
+func (c *conn) serve() error {
+	draining := false
+	h := &c.rh
+	for {
+		// Acknowledge what was executed once nothing more is buffered:
+		// one ACK per batch of requests rather than one per request.
+		if !draining && c.rseq > c.ackQueued && c.br.Buffered() == 0 {
+			c.queueAck()
+		}
+		if _, err := io.ReadFull(c.br, h[:]); err != nil {
+			if draining {
+				return nil
+			}
+			if err == io.EOF {
+				return errPeerClosed
+			}
+			return fmt.Errorf("read: %w", err)
+		}
+		if err := h.check(); err != nil {
+			return &protocolError{msg: err.Error()}
+		}
+		switch h.typ() {
+		case frameSend, frameWrite, frameWriteImm, frameReadReq:
+			if draining {
+				if _, err := c.br.Discard(int(h.length())); err != nil {
+					return nil
+				}
+				continue
+			}
+			if h.seq() != c.rseq+1 {
+				return protoErrorf("%v with seq %d, want %d", h.typ(), h.seq(), c.rseq+1)
+			}
+			st, err := c.execute(h)
+			if err != nil {
+				return err
+			}
+			if st != transport.StatusSuccess {
+				c.mu.Lock()
+				c.drainLocked(h.seq(), st)
+				draining = c.state == stateDraining
+				c.mu.Unlock()
+				if !draining {
+					return errStopped
+				}
+				// A refused request's payload was not read: skip it to stay
+				// in step with the frames behind it.
+				if h.typ() != frameReadReq {
+					if _, err := c.br.Discard(int(h.length())); err != nil {
+						return nil
+					}
+				}
+				continue
+			}
+			c.rseq = h.seq()
+		case frameReadResp:
+			if err := c.readResponse(h); err != nil {
+				return err
+			}
+		case frameAck:
+			if err := c.ack(h.seq()); err != nil {
+				return err
+			}
+		case frameNak:
+			if err := c.nak(h.seq(), transport.Status(h.status())); err != nil {
+				return err
+			}
+			if !draining {
+				return fmt.Errorf("peer refused request %d: %v", h.seq(), transport.Status(h.status()))
+			}
+		default:
+			return protoErrorf("unexpected %v frame", h.typ())
+		}
+	}
+}
+
+// execute runs one request of the peer. A status other than success refuses
+// it; an error means the stream failed.
+func (c *conn) execute(h *header) (transport.Status, error) {
+	n := h.length()
+	switch h.typ() {
+	case frameWrite, frameWriteImm:
+		dst, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(n), transport.AccessRemoteWrite)
+		if !ok {
+			return transport.StatusRemoteAccessError, nil
+		}
+		if h.typ() == frameWriteImm {
+			if _, st, err := c.takeRecv(); err != nil || st != transport.StatusSuccess {
+				return st, err
+			}
+		}
+		if err := c.readPayload(dst); err != nil {
+			return 0, err
+		}
+		if h.typ() == frameWriteImm {
+			c.completeRecv(transport.OpRecvWriteImm, transport.StatusSuccess, int(n), h.imm())
+		}
+	case frameSend:
+		e, st, err := c.takeRecv()
+		if err != nil || st != transport.StatusSuccess {
+			return st, err
+		}
+		if int(n) > len(e.buf) {
+			c.completeRecv(transport.OpRecv, transport.StatusLocalLengthError, int(n), 0)
+			return transport.StatusRemoteInvalidRequest, nil
+		}
+		if err := c.readPayload(e.buf[:n]); err != nil {
+			return 0, err
+		}
+		c.completeRecv(transport.OpRecv, transport.StatusSuccess, int(n), 0)
+	case frameReadReq:
+		size := h.imm()
+		if size > maxPayload {
+			return transport.StatusRemoteInvalidRequest, nil
+		}
+		src, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(size), transport.AccessRemoteRead)
+		if !ok {
+			return transport.StatusRemoteAccessError, nil
+		}
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.rrTail-c.rrHead >= uint64(len(c.rr)) {
+			// More READs than this side serves at once.
+			return transport.StatusRemoteInvalidRequest, nil
+		}
+		c.rr[c.rrTail%uint64(len(c.rr))] = readResp{seq: h.seq(), data: src}
+		c.rrTail++
+		c.writerCond.Signal()
+	}
+	return transport.StatusSuccess, nil
+}
+
+// readPayload reads the payload of the current frame into dst: what the
+// read buffer holds is copied, a large remainder is read from the socket
+// straight into dst.
+func (c *conn) readPayload(dst []byte) error {
+	n := 0
+	if b := c.br.Buffered(); b > 0 && len(dst) > 0 {
+		n, _ = c.br.Read(dst[:min(b, len(dst))])
+	}
+	var err error
+	if len(dst)-n >= directReadMin {
+		_, err = io.ReadFull(c.nc, dst[n:])
+	} else {
+		_, err = io.ReadFull(c.br, dst[n:])
+	}
+	if err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return fmt.Errorf("read payload: %w", err)
+	}
+	return nil
+}
+
+// takeRecv returns the oldest posted receive, waiting up to RNRTimeout for
+// one. It stays queued until completeRecv.
+func (c *conn) takeRecv() (*rqEntry, transport.Status, error) {
+	waiting := false
+	for {
+		c.mu.Lock()
+		if c.state != stateOpen {
+			c.mu.Unlock()
+			return nil, 0, errStopped
+		}
+		if c.rqHead < c.rqTail {
+			e := &c.rq[c.rqHead%uint64(len(c.rq))]
+			c.mu.Unlock()
+			if waiting {
+				c.rnrTimer.Stop()
+			}
+			return e, transport.StatusSuccess, nil
+		}
+		c.mu.Unlock()
+		if !waiting {
+			waiting = true
+			// Acknowledge what is done before blocking: the peer may be
+			// waiting for those completions to post more.
+			if c.rseq > c.ackQueued {
+				c.queueAck()
+			}
+			if c.rnrTimer == nil {
+				c.rnrTimer = time.NewTimer(c.opts.RNRTimeout)
+			} else {
+				c.rnrTimer.Reset(c.opts.RNRTimeout)
+			}
+		}
+		select {
+		case <-c.recvPosted:
+		case <-c.rnrTimer.C:
+			return nil, transport.StatusRNRRetryExceeded, nil
+		case <-c.dying:
+			c.rnrTimer.Stop()
+			return nil, 0, errStopped
+		}
+	}
+}
+
+// completeRecv completes the oldest posted receive.
+func (c *conn) completeRecv(op transport.Opcode, st transport.Status, n int, imm uint32) {
+	c.mu.Lock()
+	e := &c.rq[c.rqHead%uint64(len(c.rq))]
+	c.pushLocked(transport.Completion{ID: e.id, Op: op, Status: st, ByteLen: n, Imm: imm})
+	e.buf = nil
+	c.rqHead++
+	c.mu.Unlock()
+}
+
+func (c *conn) queueAck() {
+	c.mu.Lock()
+	if c.rseq > c.ackOut {
+		c.ackOut = c.rseq
+		c.writerCond.Signal()
+	}
+	c.mu.Unlock()
+	c.ackQueued = c.rseq
+}
+
+// readResponse places the data of a READ response.
+func (c *conn) readResponse(h *header) error {
+	seq := h.seq()
+	c.mu.Lock()
+	if seq == 0 || seq-1 < c.sqHead || seq-1 >= c.sqTx {
+		c.mu.Unlock()
+		return protoErrorf("READ response for seq %d, outstanding (%d, %d]", seq, c.sqHead, c.sqTx)
+	}
+	e := &c.sq[(seq-1)%uint64(len(c.sq))]
+	if e.op != transport.OpRead || e.done || len(e.buf) != int(h.length()) {
+		c.mu.Unlock()
+		return protoErrorf("READ response for seq %d (%v of %d bytes) with %d bytes", seq, e.op, len(e.buf), h.length())
+	}
+	buf := e.buf
+	c.mu.Unlock()
+	// The entry stays until it completes, which needs this goroutine.
+	if err := c.readPayload(buf); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	e.done = true
+	c.readsInFlight--
+	c.acked = max(c.acked, seq)
+	c.advanceLocked()
+	c.writerCond.Signal() // a READ may have been held back
+	c.mu.Unlock()
+	return nil
+}
+
+func (c *conn) ack(seq uint64) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if seq > c.sqTx {
+		return protoErrorf("ACK for seq %d, only %d sent", seq, c.sqTx)
+	}
+	if seq > c.acked {
+		c.acked = seq
+		c.advanceLocked()
+	}
+	return nil
+}
+
+// nak records that the peer refused request seq.
+func (c *conn) nak(seq uint64, st transport.Status) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if seq == 0 || seq-1 < c.sqHead || seq-1 >= c.sqTx {
+		return protoErrorf("NAK for seq %d, outstanding (%d, %d]", seq, c.sqHead, c.sqTx)
+	}
+	switch st {
+	case transport.StatusSuccess, transport.StatusFlushed:
+		st = transport.StatusRemoteInvalidRequest
+	}
+	c.acked = max(c.acked, seq-1)
+	c.sq[(seq-1)%uint64(len(c.sq))].fail = st
+	c.advanceLocked()
+	return nil
+}
+
+// writeLoop is the writer goroutine: the only one writing to the stream.
+// It sends, in this order, READ responses, the cumulative ACK, a NAK, and
+// the requests posted, batching the frames of many of them into one writev.
+func (c *conn) writeLoop() {
+	defer c.wg.Done()
+	c.mu.Lock()
+	for {
+		for c.state != stateBroken && !c.hasOutputLocked() {
+			if c.state == stateDraining {
+				// The NAK is out: end our half of the stream.
+				c.mu.Unlock()
+				if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
+					cw.CloseWrite()
+				}
+				return
+			}
+			c.writerCond.Wait()
+		}
+		if c.state == stateBroken {
+			c.mu.Unlock()
+			return
+		}
+		c.collectLocked()
+		c.mu.Unlock()
+		c.wnb = c.wbufs
+		_, err := c.wnb.WriteTo(c.nc)
+		c.mu.Lock()
+		if err != nil {
+			c.breakLocked(fmt.Errorf("write: %w", err))
+			c.mu.Unlock()
+			return
+		}
+	}
+}
+
+// canTransmitLocked reports whether the next send request may go out.
+func (c *conn) canTransmitLocked() bool {
+	if c.state != stateOpen || c.sqFailed || c.sqTx >= c.sqTail {
+		return false
+	}
+	e := &c.sq[c.sqTx%uint64(len(c.sq))]
+	if e.fail != transport.StatusSuccess {
+		return false // never sent: it fails when its turn to complete comes
+	}
+	return e.op != transport.OpRead || c.readsInFlight < c.limits.MaxReadsInFlight
+}
+
+func (c *conn) hasOutputLocked() bool {
+	return c.rrHead < c.rrTail || c.ackOut > c.ackSent || c.nakPending || c.canTransmitLocked()
+}
+
+// collectLocked builds the next batch of frames into c.wbufs.
+func (c *conn) collectLocked() {
+	c.wbufs = c.wbufs[:0]
+	n := 0
+	frame := func(data []byte) {
+		c.wbufs = append(c.wbufs, c.wh[n][:])
+		if len(data) > 0 {
+			c.wbufs = append(c.wbufs, data)
+		}
+		n++
+	}
+	for c.rrHead < c.rrTail && n < writeBatch {
+		r := &c.rr[c.rrHead%uint64(len(c.rr))]
+		c.wh[n].put(frameReadResp, 0, uint32(len(r.data)), r.seq, 0, 0, 0)
+		frame(r.data)
+		r.data = nil
+		c.rrHead++
+	}
+	if c.rrHead < c.rrTail {
+		return // responses first: the ACK and NAK follow them
+	}
+	if c.ackOut > c.ackSent && n < writeBatch {
+		c.wh[n].put(frameAck, 0, 0, c.ackOut, 0, 0, 0)
+		frame(nil)
+		c.ackSent = c.ackOut
+	}
+	if c.nakPending && n < writeBatch {
+		c.wh[n].put(frameNak, uint8(c.nakStatus), 0, c.nakSeq, 0, 0, 0)
+		frame(nil)
+		c.nakPending = false
+	}
+	size := uint64(len(c.sq))
+	for n < writeBatch && c.canTransmitLocked() {
+		e := &c.sq[c.sqTx%size]
+		seq := c.sqTx + 1
+		switch e.op {
+		case transport.OpSend:
+			c.wh[n].put(frameSend, 0, uint32(len(e.buf)), seq, 0, 0, 0)
+			frame(e.buf)
+		case transport.OpWrite:
+			c.wh[n].put(frameWrite, 0, uint32(len(e.buf)), seq, e.raddr, e.rkey, 0)
+			frame(e.buf)
+		case transport.OpWriteImm:
+			c.wh[n].put(frameWriteImm, 0, uint32(len(e.buf)), seq, e.raddr, e.rkey, e.imm)
+			frame(e.buf)
+		case transport.OpRead:
+			c.wh[n].put(frameReadReq, 0, 0, seq, e.raddr, e.rkey, uint32(len(e.buf)))
+			frame(nil)
+			c.readsInFlight++
+		}
+		c.sqTx++
+	}
+}

@@ -1,0 +1,490 @@
+package tcp
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rblk/rblk/transport"
+)
+
+// Options tune a provider. Zero fields take their defaults.
+type Options struct {
+	// SendQueueDepth bounds outstanding send work requests (default 1024).
+	SendQueueDepth int
+	// RecvQueueDepth bounds posted receives (default 1024).
+	RecvQueueDepth int
+	// MaxReadsInFlight bounds outstanding RDMA READs, both those this side
+	// issues and those it serves for the peer (default 128). The two sides
+	// use the smaller of their values.
+	MaxReadsInFlight int
+	// RNRTimeout is how long an incoming SEND or WRITE WITH IMMEDIATE waits
+	// for a RECV to be posted before it fails with StatusRNRRetryExceeded
+	// (default 5s).
+	RNRTimeout time.Duration
+	// HandshakeTimeout bounds how long the listener waits for the connect
+	// request of a new stream (default 10s).
+	HandshakeTimeout time.Duration
+}
+
+func (o Options) withDefaults() Options {
+	if o.SendQueueDepth <= 0 {
+		o.SendQueueDepth = 1024
+	}
+	if o.RecvQueueDepth <= 0 {
+		o.RecvQueueDepth = 1024
+	}
+	if o.MaxReadsInFlight <= 0 {
+		o.MaxReadsInFlight = 128
+	}
+	if o.RNRTimeout <= 0 {
+		o.RNRTimeout = 5 * time.Second
+	}
+	if o.HandshakeTimeout <= 0 {
+		o.HandshakeTimeout = 10 * time.Second
+	}
+	return o
+}
+
+// Provider is the software provider. It implements transport.Provider.
+type Provider struct {
+	network string
+	opts    Options
+}
+
+var _ transport.Provider = (*Provider)(nil)
+
+// New returns a provider over network "tcp" (or "tcp4", "tcp6") or "unix"
+// with default options.
+func New(network string) transport.Provider { return NewWithOptions(network, Options{}) }
+
+// NewWithOptions is New with options.
+func NewWithOptions(network string, opts Options) *Provider {
+	return &Provider{network: network, opts: opts.withDefaults()}
+}
+
+// Name returns the network.
+func (p *Provider) Name() string { return p.network }
+
+// Options returns the options in force, defaults filled in.
+func (p *Provider) Options() Options { return p.opts }
+
+func (p *Provider) checkNetwork() error {
+	switch p.network {
+	case "tcp", "tcp4", "tcp6", "unix":
+		return nil
+	}
+	return fmt.Errorf("unsupported network %q", p.network)
+}
+
+// Dial connects to addr, sends a connect request carrying privateData and
+// waits for the peer to accept or reject it. ctx bounds the whole exchange.
+func (p *Provider) Dial(ctx context.Context, addr string, privateData []byte) (transport.Conn, error) {
+	c, err := p.dial(ctx, addr, privateData)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", addr, err)
+	}
+	return c, nil
+}
+
+func (p *Provider) dial(ctx context.Context, addr string, privateData []byte) (*conn, error) {
+	if err := p.checkNetwork(); err != nil {
+		return nil, err
+	}
+	if len(privateData) > MaxConnectPrivateData {
+		return nil, fmt.Errorf("private data of %d bytes exceeds %d", len(privateData), MaxConnectPrivateData)
+	}
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, p.network, addr)
+	if err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			nc.Close()
+		}
+	}()
+	stop := watchContext(ctx, nc)
+	if err := writeControl(nc, frameConnect, version, uint32(p.opts.MaxReadsInFlight), privateData); err != nil {
+		stop()
+		return nil, ctxErr(ctx, err)
+	}
+	br := bufio.NewReaderSize(nc, readBufferSize)
+	var h header
+	pd, err := readControl(br, &h)
+	if !stop() || ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading accept: %w", err)
+	}
+	if err := nc.SetDeadline(time.Time{}); err != nil {
+		return nil, err
+	}
+	switch h.typ() {
+	case frameReject:
+		if len(pd) > MaxRejectPrivateData {
+			return nil, fmt.Errorf("reject private data of %d bytes", len(pd))
+		}
+		return nil, &transport.RejectError{PrivateData: pd}
+	case frameAccept:
+		if h.status() != version {
+			return nil, fmt.Errorf("peer speaks protocol version %d, want %d", h.status(), version)
+		}
+		if len(pd) > MaxAcceptPrivateData {
+			return nil, fmt.Errorf("accept private data of %d bytes", len(pd))
+		}
+		if h.imm() == 0 {
+			return nil, errors.New("peer accepts no RDMA READ")
+		}
+	default:
+		return nil, fmt.Errorf("unexpected %v frame during connect", h.typ())
+	}
+	ok = true
+	return newConn(p.opts, nc, br, pd, int(h.imm())), nil
+}
+
+// readBufferSize is the size of a conn's read buffer.
+const readBufferSize = 64 << 10
+
+// watchContext makes I/O on nc fail when ctx ends. The returned stop
+// reports false if ctx ended (nc's deadline may then be in the past).
+func watchContext(ctx context.Context, nc net.Conn) (stop func() bool) {
+	// No deadline from ctx.Deadline: the socket's timer could fire before
+	// ctx's, and the failure would not be told apart from ctx ending.
+	return context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+}
+
+func ctxErr(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// writeControl writes a connection management frame.
+func writeControl(w io.Writer, t frameType, status uint8, imm uint32, privateData []byte) error {
+	buf := make([]byte, headerLen+len(privateData))
+	h := (*header)(buf[:headerLen])
+	h.put(t, status, uint32(len(privateData)), 0, 0, 0, imm)
+	copy(buf[headerLen:], privateData)
+	_, err := w.Write(buf)
+	return err
+}
+
+// readControl reads a connection management frame into h and returns its
+// private data.
+func readControl(br *bufio.Reader, h *header) ([]byte, error) {
+	if _, err := io.ReadFull(br, h[:]); err != nil {
+		return nil, err
+	}
+	if err := h.check(); err != nil {
+		return nil, err
+	}
+	switch h.typ() {
+	case frameConnect, frameAccept, frameReject:
+	default:
+		return nil, fmt.Errorf("unexpected %v frame during connect", h.typ())
+	}
+	if h.length() > MaxAcceptPrivateData {
+		return nil, fmt.Errorf("%v private data of %d bytes", h.typ(), h.length())
+	}
+	pd := make([]byte, h.length())
+	if _, err := io.ReadFull(br, pd); err != nil {
+		return nil, err
+	}
+	return pd, nil
+}
+
+// Listen listens on addr: host:port for tcp, a path for unix. A stale unix
+// socket file (one nothing listens on) is removed first.
+func (p *Provider) Listen(ctx context.Context, addr string) (transport.Listener, error) {
+	l, err := p.listen(ctx, addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", addr, err)
+	}
+	return l, nil
+}
+
+func (p *Provider) listen(ctx context.Context, addr string) (*listener, error) {
+	if err := p.checkNetwork(); err != nil {
+		return nil, err
+	}
+	if p.network == "unix" {
+		if err := removeStaleSocket(ctx, addr); err != nil {
+			return nil, err
+		}
+	}
+	var lc net.ListenConfig
+	nl, err := lc.Listen(ctx, p.network, addr)
+	if err != nil {
+		return nil, err
+	}
+	l := &listener{
+		p:       p,
+		nl:      nl,
+		addr:    nl.Addr().String(),
+		reqs:    make(chan *connRequest),
+		closing: make(chan struct{}),
+		shaking: make(map[net.Conn]struct{}),
+		pending: make(map[*connRequest]struct{}),
+	}
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l, nil
+}
+
+// removeStaleSocket removes the unix socket file at path if nothing listens
+// on it.
+func removeStaleSocket(ctx context.Context, path string) error {
+	if len(path) == 0 || path[0] == '@' {
+		return nil // abstract socket: no file
+	}
+	fi, err := os.Lstat(path)
+	if err != nil || fi.Mode()&os.ModeSocket == 0 {
+		return nil // absent, or not a socket: let Listen report it
+	}
+	d := net.Dialer{Timeout: time.Second}
+	c, err := d.DialContext(ctx, "unix", path)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("%s: %w", path, syscall.EADDRINUSE)
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("removing stale socket: %w", err)
+		}
+	}
+	return nil
+}
+
+type listener struct {
+	p    *Provider
+	nl   net.Listener
+	addr string
+	reqs chan *connRequest
+
+	closeOnce sync.Once
+	closing   chan struct{}
+	wg        sync.WaitGroup
+
+	mu      sync.Mutex
+	shaking map[net.Conn]struct{}     // streams whose connect request is awaited
+	pending map[*connRequest]struct{} // requests returned by Accept, not yet answered
+}
+
+func (l *listener) Addr() string { return l.addr }
+
+func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
+	select {
+	case <-l.closing:
+		return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+	default:
+	}
+	select {
+	case r := <-l.reqs:
+		l.mu.Lock()
+		l.pending[r] = struct{}{}
+		l.mu.Unlock()
+		return r, nil
+	case <-l.closing:
+		return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+	case <-ctx.Done():
+		return nil, fmt.Errorf("accept %s: %w", l.addr, ctx.Err())
+	}
+}
+
+func (l *listener) Close() error {
+	var err error
+	l.closeOnce.Do(func() {
+		close(l.closing)
+		err = l.nl.Close()
+		l.mu.Lock()
+		for nc := range l.shaking {
+			nc.Close()
+		}
+		var unanswered []*connRequest
+		for r := range l.pending {
+			unanswered = append(unanswered, r)
+		}
+		l.mu.Unlock()
+		l.wg.Wait()
+		// Requests Accept returned and nobody answered would hold their
+		// stream forever: drop them.
+		for _, r := range unanswered {
+			if r.take() {
+				r.nc.Close()
+			}
+		}
+		if err != nil {
+			err = fmt.Errorf("close listener %s: %w", l.addr, err)
+		}
+	})
+	return err
+}
+
+func (l *listener) acceptLoop() {
+	defer l.wg.Done()
+	backoff := time.Duration(0)
+	for {
+		nc, err := l.nl.Accept()
+		if err != nil {
+			select {
+			case <-l.closing:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+				errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				select {
+				case <-time.After(backoff):
+				case <-l.closing:
+					return
+				}
+				continue
+			}
+			return // the listener is gone: Accept will block until Close
+		}
+		backoff = 0
+		l.mu.Lock()
+		select {
+		case <-l.closing:
+			l.mu.Unlock()
+			nc.Close()
+			return
+		default:
+		}
+		l.shaking[nc] = struct{}{}
+		l.wg.Add(1)
+		l.mu.Unlock()
+		go l.handshake(nc)
+	}
+}
+
+// handshake reads the connect request of a new stream and hands it to
+// Accept. A stream that sends anything else is dropped.
+func (l *listener) handshake(nc net.Conn) {
+	defer l.wg.Done()
+	keep := false
+	forget := func() {
+		l.mu.Lock()
+		delete(l.shaking, nc)
+		l.mu.Unlock()
+	}
+	defer func() {
+		if !keep {
+			forget()
+			nc.Close()
+		}
+	}()
+	if err := nc.SetReadDeadline(time.Now().Add(l.p.opts.HandshakeTimeout)); err != nil {
+		return
+	}
+	br := bufio.NewReaderSize(nc, readBufferSize)
+	var h header
+	pd, err := readControl(br, &h)
+	if err != nil || h.typ() != frameConnect || h.status() != version || len(pd) > MaxConnectPrivateData || h.imm() == 0 {
+		return
+	}
+	if err := nc.SetReadDeadline(time.Time{}); err != nil {
+		return
+	}
+	r := &connRequest{l: l, nc: nc, br: br, pd: pd, peerReads: int(h.imm()), remote: nc.RemoteAddr().String()}
+	// Once handed to Accept the stream is the owner's: Close must not
+	// close it any more.
+	forget()
+	select {
+	case l.reqs <- r:
+		keep = true
+	case <-l.closing:
+	}
+}
+
+type connRequest struct {
+	l         *listener
+	nc        net.Conn
+	br        *bufio.Reader
+	pd        []byte
+	peerReads int
+	remote    string
+
+	mu   sync.Mutex
+	done bool
+}
+
+func (r *connRequest) PrivateData() []byte { return r.pd }
+func (r *connRequest) RemoteAddr() string  { return r.remote }
+
+// take claims the request for an answer; only the first caller gets it.
+func (r *connRequest) take() bool {
+	r.mu.Lock()
+	first := !r.done
+	r.done = true
+	r.mu.Unlock()
+	if first {
+		r.l.mu.Lock()
+		delete(r.l.pending, r)
+		r.l.mu.Unlock()
+	}
+	return first
+}
+
+func (r *connRequest) Accept(ctx context.Context, privateData []byte) (transport.Conn, error) {
+	c, err := r.accept(ctx, privateData)
+	if err != nil {
+		return nil, fmt.Errorf("accept %s: %w", r.remote, err)
+	}
+	return c, nil
+}
+
+func (r *connRequest) accept(ctx context.Context, privateData []byte) (*conn, error) {
+	if len(privateData) > MaxAcceptPrivateData {
+		return nil, fmt.Errorf("private data of %d bytes exceeds %d", len(privateData), MaxAcceptPrivateData)
+	}
+	if !r.take() {
+		return nil, errors.New("connection request already answered")
+	}
+	opts := r.l.p.opts
+	stop := watchContext(ctx, r.nc)
+	err := writeControl(r.nc, frameAccept, version, uint32(opts.MaxReadsInFlight), privateData)
+	if !stop() || ctx.Err() != nil {
+		r.nc.Close()
+		return nil, ctx.Err()
+	}
+	if err == nil {
+		err = r.nc.SetDeadline(time.Time{})
+	}
+	if err != nil {
+		r.nc.Close()
+		return nil, err
+	}
+	return newConn(opts, r.nc, r.br, r.pd, r.peerReads), nil
+}
+
+func (r *connRequest) Reject(privateData []byte) error {
+	if len(privateData) > MaxRejectPrivateData {
+		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
+	}
+	if !r.take() {
+		return fmt.Errorf("reject %s: connection request already answered", r.remote)
+	}
+	// The peer sent nothing past its connect request, so closing right after
+	// the write ends the stream with a FIN behind the reject, not a reset.
+	r.nc.SetWriteDeadline(time.Now().Add(r.l.p.opts.HandshakeTimeout))
+	err := writeControl(r.nc, frameReject, version, 0, privateData)
+	r.nc.Close()
+	if err != nil {
+		return fmt.Errorf("reject %s: %w", r.remote, err)
+	}
+	return nil
+}

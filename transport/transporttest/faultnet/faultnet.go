@@ -1,0 +1,149 @@
+package faultnet
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rblk/rblk/transport"
+)
+
+// Provider wraps a provider; the conns it dials and accepts are *Conn.
+type Provider struct {
+	inner transport.Provider
+
+	mu    sync.Mutex
+	conns []*Conn
+}
+
+var _ transport.Provider = (*Provider)(nil)
+
+// Wrap returns a fault-injecting provider over p.
+func Wrap(p transport.Provider) *Provider { return &Provider{inner: p} }
+
+// Name is the wrapped provider's name.
+func (p *Provider) Name() string { return p.inner.Name() }
+
+// Listen listens with the wrapped provider; the conns it accepts are *Conn.
+func (p *Provider) Listen(ctx context.Context, addr string) (transport.Listener, error) {
+	l, err := p.inner.Listen(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return &listener{Listener: l, p: p}, nil
+}
+
+// Dial dials with the wrapped provider and returns a *Conn.
+func (p *Provider) Dial(ctx context.Context, addr string, privateData []byte) (transport.Conn, error) {
+	c, err := p.inner.Dial(ctx, addr, privateData)
+	if err != nil {
+		return nil, err
+	}
+	return p.track(c), nil
+}
+
+func (p *Provider) track(c transport.Conn) *Conn {
+	fc := &Conn{Conn: c}
+	p.mu.Lock()
+	p.conns = append(p.conns, fc)
+	p.mu.Unlock()
+	return fc
+}
+
+// Conns returns every conn made so far, dialed or accepted, oldest first.
+func (p *Provider) Conns() []*Conn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]*Conn(nil), p.conns...)
+}
+
+// DisconnectAll disconnects every conn made so far.
+func (p *Provider) DisconnectAll() {
+	for _, c := range p.Conns() {
+		c.Disconnect()
+	}
+}
+
+type listener struct {
+	transport.Listener
+	p *Provider
+}
+
+func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
+	r, err := l.Listener.Accept(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &connRequest{ConnRequest: r, p: l.p}, nil
+}
+
+type connRequest struct {
+	transport.ConnRequest
+	p *Provider
+}
+
+func (r *connRequest) Accept(ctx context.Context, privateData []byte) (transport.Conn, error) {
+	c, err := r.ConnRequest.Accept(ctx, privateData)
+	if err != nil {
+		return nil, err
+	}
+	return r.p.track(c), nil
+}
+
+// Conn is a conn whose faults a test controls. Everything not overridden
+// goes to the wrapped conn, regions included.
+type Conn struct {
+	transport.Conn
+
+	delay        atomic.Int64 // time.Duration
+	disconnected atomic.Bool
+
+	mu   sync.Mutex
+	held []transport.Completion // polled while a delay was cut short by ctx
+}
+
+// Disconnect breaks the connection as if the cable was pulled: the
+// connection fails under its owner, whose requests in flight and posted
+// receives complete with StatusFlushed before Poll reports
+// transport.ErrClosed, and the peer sees the connection break too. The
+// owner's Close is still allowed.
+func (c *Conn) Disconnect() {
+	c.disconnected.Store(true)
+	c.Conn.Close()
+}
+
+// Disconnected reports whether Disconnect was called.
+func (c *Conn) Disconnected() bool { return c.disconnected.Load() }
+
+// Delay holds the completions of every later Poll for d before returning
+// them, as a slow completion path would; 0 stops delaying.
+func (c *Conn) Delay(d time.Duration) { c.delay.Store(int64(d)) }
+
+// Poll polls the wrapped conn, then holds what it got for the delay.
+func (c *Conn) Poll(ctx context.Context, out []transport.Completion) (int, error) {
+	c.mu.Lock()
+	if len(c.held) > 0 {
+		n := copy(out, c.held)
+		c.held = c.held[n:]
+		c.mu.Unlock()
+		return n, nil
+	}
+	c.mu.Unlock()
+	n, err := c.Conn.Poll(ctx, out)
+	d := time.Duration(c.delay.Load())
+	if n == 0 || d <= 0 {
+		return n, err
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return n, nil
+	case <-ctx.Done():
+		c.mu.Lock()
+		c.held = append(c.held, out[:n]...)
+		c.mu.Unlock()
+		return 0, ctx.Err()
+	}
+}
