@@ -1,0 +1,315 @@
+// Package protocol defines the control messages that the rblk target and
+// initiator exchange, and their wire format.
+//
+// # Roles
+//
+// The target (rblkd) exports volumes: files or block devices it serves. It
+// keeps chunks of a volume in memory registered with the connection, and lends
+// them to the initiator as grants: (address, rkey, length, generation) for one
+// chunk. The initiator (rblk-attach) attaches an export as a local block device.
+// It moves the data itself with one-sided RDMA READ and RDMA WRITE into granted
+// chunks, without the target's CPU, and uses the messages of this package,
+// carried by two-sided SEND/RECV, for everything else. The target writes back
+// what the initiator wrote (the initiator tells it what with Done), evicts
+// chunks by revoking their grants, and does Trim and WriteZeroes itself with
+// fallocate.
+//
+// # Message flow
+//
+// A typical connection, one arrow per message (=== is a one-sided operation
+// that the target's CPU does not see):
+//
+//	initiator                                               target
+//	 connect, private data Hello  ------------------------->
+//	                              <-------------------------  accept, private data Hello
+//	 ListExports                  ------------------------->
+//	                              <-------------------------  ExportList
+//	 Open{read-write, "vol0"}     ------------------------->
+//	                              <-------------------------  VolumeInfo{handle 1}
+//	 GrantRequest{1, write, off}  ------------------------->
+//	                              <-------------------------  Grant{1, write, chunk, addr, rkey, gen 7}
+//	 RDMA READ / RDMA WRITE       =========================>
+//	 Done{1, [(off, len)]}        ------------------------->
+//	 Flush{1}                     ------------------------->
+//	                              <-------------------------  OK
+//	                              <-------------------------  Revoke{1, chunk, gen 7}
+//	 RevokeAck{1, chunk, gen 7}   ------------------------->
+//	 Close{1}                     ------------------------->
+//	                              <-------------------------  OK
+//
+// Step by step:
+//
+//   - Hello goes in the connection's private data, both ways: the initiator's
+//     with its connect request, the target's with its accept. Each side then
+//     calls Negotiate with its own Hello and the peer's. Hello is always framed
+//     as version 1 with credits and tag 0, and must fit the 56 bytes of private
+//     data (it takes 40).
+//   - ListExports returns every export, its size and flags, in one ExportList.
+//   - Open opens an export read-only or read-write; VolumeInfo gives the handle
+//     that names it in the connection's later requests, its size, its logical
+//     block size and its chunk size.
+//   - GrantRequest asks, on demand, for the chunk that holds an offset; Grant
+//     gives the chunk's start, its registered memory (Addr, RKey, Length) and
+//     a Generation that tells this grant from earlier and later ones of the
+//     same chunk. Volume byte Grant.Offset+i is at remote address Addr+i. With
+//     GrantWrite the region is writable; without, only RDMA READ may use it.
+//     The initiator keeps the grants it got and reuses them until revoked.
+//   - To write, the initiator RDMA WRITEs into a writable grant and, once the
+//     WRITE has completed, sends Done with the ranges it wrote. Done has no
+//     reply unless it fails, or with DoneFUA the reply OK once its ranges are
+//     durable. Ranges of one Done may span several chunks of the handle.
+//   - Flush replies OK once every range of every Done the target received
+//     before it, on this connection, is written back and fdatasync'd.
+//   - To evict a chunk the target sends Revoke (with a tag of its own). The
+//     initiator stops starting operations on that grant, waits for those in
+//     flight, sends Done for what it wrote through it, then replies RevokeAck
+//     with the Revoke's tag. The target may then deregister the memory and
+//     reuse it; a later GrantRequest gets a new grant with a new generation.
+//     The initiator answers every Revoke, even one for a grant it no longer
+//     has.
+//   - Trim and WriteZeroes are done by the target's CPU with fallocate (punch
+//     a hole, or zero a range; FlagNoHole keeps the range allocated). The
+//     target applies them after the Dones received before them, and updates
+//     or revokes the grants they cover; FlagFUA replies once durable.
+//   - Close releases the handle and all its grants: the initiator stops using
+//     them when it sends Close. Close does not flush: send Flush first if the
+//     data must be durable.
+//   - Any request may be answered by Error, with the request's tag, instead of
+//     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
+//     matches with ErrStale, ErrPerm and the like. CodeStale means the grant
+//     is unknown or revoked: ask for a new one.
+//
+// Requests, who sends them and their replies:
+//
+//	request        sent by     reply (or Error)
+//	ListExports    initiator   ExportList
+//	Open           initiator   VolumeInfo
+//	GrantRequest   initiator   Grant
+//	Done           initiator   none, or OK with DoneFUA
+//	Flush          initiator   OK
+//	Trim           initiator   OK
+//	WriteZeroes    initiator   OK
+//	Close          initiator   OK
+//	Revoke         target      RevokeAck (never Error)
+//	Credit         either      none (never Error)
+//
+// A tag is chosen by the sender of a request and is not reused while a reply
+// to it may still come (a Done without DoneFUA may still be answered by
+// Error); a counter is simplest. Each side has its own tag space: a reply is
+// matched with the requests its receiver sent.
+//
+// # Flow control
+//
+// Every message is a SEND that consumes one receive buffer the peer posted; a
+// SEND with no buffer waiting breaks the connection. So each side counts its
+// credits: the receive buffers its peer has posted for it and it has not used
+// yet. Hello.RecvCredits gives the initial credits; afterwards the header's
+// credits field returns the buffers the sender re-posted since its previous
+// message. The rules:
+//
+//   - A side sends only while it has a credit; each message uses one.
+//   - It never spends its last credit on a message whose credits field is 0:
+//     that credit is kept to return credits, so the two sides can never both
+//     be stuck at zero.
+//   - A side that owes its peer credits returns them in its next message. If
+//     it has nothing to send, it sends Credit once it owes T of them, with
+//     2 <= T <= N-1 for the N buffers it keeps posted for the peer (N/2 is a
+//     good choice; so N >= 3). T >= 2 keeps a Credit from being answered by a
+//     Credit; T <= N-1 guarantees that a peer holding only its reserved last
+//     credit is always refilled.
+//   - A side never sends a message larger than the peer's Hello.MaxMessage,
+//     and posts receive buffers of at least its own MaxMessage bytes. Every
+//     message of this version fits MaxMessageSize.
+//
+// # Invariants
+//
+//   - One-sided operations go only into granted chunks: within [Addr,
+//     Addr+Length) of a grant the initiator holds, RDMA WRITE only with
+//     GrantWrite, and none after the initiator sent the RevokeAck of that
+//     grant or the Close of its handle. The target deregisters revoked
+//     memory, so a stray operation breaks the connection.
+//   - Done for a range is sent after the RDMA WRITE of that range has
+//     completed, and before the RevokeAck of its chunk's grant. SENDs on one
+//     connection arrive in order, so when the target gets the RevokeAck it has
+//     every Done of that grant.
+//   - Flush covers every Done received before it on that connection: their
+//     ranges are durable when OK arrives. It says nothing of Dones sent after
+//     it, or on other connections.
+//   - Every request gets exactly one reply (its reply or Error), except Done
+//     without DoneFUA, which gets one only if it fails, and Credit.
+//   - Reserved fields and undefined flag bits are zero, and decoders reject
+//     anything else (ErrReserved), so that decoding and re-encoding a message
+//     gives back the same bytes.
+//
+// # Using this package
+//
+// The data path does not allocate: it encodes with Append into a reused
+// buffer (a registered send buffer with capacity MaxMessageSize), and
+// decodes a receive buffer with ParseHeader, then the Unmarshal method of a
+// message value it keeps per type, on b[HeaderSize:HeaderSize+h.Length]
+// after checking that the buffer holds that many bytes. Unmarshal reuses
+// the slices of its receiver. Decode, which allocates a message of the
+// header's type, is for tests, tools and fuzzing. Every decoding error
+// wraps one of ErrBadMagic, ErrVersion, ErrReserved, ErrTooLarge,
+// ErrTruncated, ErrTrailing, ErrUnknownType or ErrBadField; CodeOf maps
+// them to CodeProto for an Error reply, and ErrorFor builds that reply from
+// any error.
+//
+// # Wire format
+//
+// Integers are big-endian. Every message is a 24-byte header and a payload of
+// at most MaxMessageSize-HeaderSize bytes; the whole is at most MaxMessageSize
+// (4096) bytes. The diagrams give byte offsets.
+//
+// Header:
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------+-------+---------------+
+//	 0 |   magic 0x52424C4B ("RBLK")   |version| type  |    credits    |
+//	   +-------------------------------+-------+-------+---------------+
+//	 8 |            length             |           reserved            |
+//	   +-------------------------------+-------------------------------+
+//	16 |                              tag                              |
+//	   +---------------------------------------------------------------+
+//
+// The fields:
+//
+//   - magic: Magic, "RBLK" in ASCII.
+//   - version: Version (1).
+//   - type: the Type of the payload.
+//   - credits: receive buffers the sender re-posted for its peer since its
+//     last message.
+//   - length: the payload's size; at most MaxMessageSize-HeaderSize.
+//   - reserved: zero.
+//   - tag: the request id chosen by the requester; a reply carries its
+//     request's tag.
+//
+// Hello (1), 16 bytes. Versions are 1 <= min ver <= max ver. Features is a set
+// of optional features (none defined yet: FeatureMask); unknown bits are
+// ignored. Recv credits is the number of receive buffers the sender posted for
+// its peer, max message the largest message (header included) it accepts.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------+-------+---------------+-------------------------------+
+//	0 |min ver|max ver|   reserved    |           features            |
+//	  +-------+-------+---------------+-------------------------------+
+//	8 | recv credits  |   reserved    |          max message          |
+//	  +---------------+---------------+-------------------------------+
+//
+// Error (2), 6 bytes and the text. Code is an ErrorCode (Linux errno numbers);
+// text is at most MaxErrorText bytes of UTF-8.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------------------------------+---------------+---------------+
+//	0 |             code              |   text len    | text          ~
+//	  +-------------------------------+---------------+---------------+
+//
+// ListExports (3), OK (12) and Credit (17) have no payload.
+//
+// ExportList (4), 2 bytes and the entries, all in one message:
+//
+//	    0       1       2       3       4       5       6       7
+//	  +---------------+-----------------------------------------------+
+//	0 |     count     | entries (count of them, packed)               ~
+//	  +---------------+-----------------------------------------------+
+//
+// and each entry, packed without padding (len is the name's length):
+//
+//	offset   size  field
+//	0        1     name len: 1 to 255
+//	1        len   name: UTF-8, no NUL
+//	1+len    8     size: the volume's size in bytes
+//	9+len    4     flags: VolumeFlags
+//
+// Open (5), 4 bytes and the name. Mode is ModeReadOnly (0) or ModeReadWrite
+// (1); the name, 1 to MaxNameLen bytes of UTF-8 without NUL.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------+-------+---------------+-------------------------------+
+//	0 | mode  | rsvd  |   name len    | name (name len bytes)         ~
+//	  +-------+-------+---------------+-------------------------------+
+//
+// VolumeInfo (6), 24 bytes, the reply to Open. Flags are VolumeFlags.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------------------------------+
+//	 0 |            handle             |             flags             |
+//	   +-------------------------------+-------------------------------+
+//	 8 |                          volume size                          |
+//	   +-------------------------------+-------------------------------+
+//	16 |          block size           |          chunk size           |
+//	   +-------------------------------+-------------------------------+
+//
+// GrantRequest (7), 16 bytes. Flags: GrantWrite (1). Offset is any offset in
+// the wanted chunk.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------------------------------+-------------------------------+
+//	0 |            handle             |             flags             |
+//	  +-------------------------------+-------------------------------+
+//	8 |                            offset                             |
+//	  +---------------------------------------------------------------+
+//
+// Grant (8), 40 bytes, the reply to GrantRequest. Flags: GrantWrite if the
+// region is writable. Offset is the chunk's start in the volume.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------------------------------+
+//	 0 |            handle             |             flags             |
+//	   +-------------------------------+-------------------------------+
+//	 8 |                            offset                             |
+//	   +---------------------------------------------------------------+
+//	16 |                             addr                              |
+//	   +-------------------------------+-------------------------------+
+//	24 |             rkey              |            length             |
+//	   +-------------------------------+-------------------------------+
+//	32 |                          generation                           |
+//	   +---------------------------------------------------------------+
+//
+// Revoke (9) and RevokeAck (10), 24 bytes. Offset and generation are the
+// grant's.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------------------------------+
+//	 0 |            handle             |           reserved            |
+//	   +-------------------------------+-------------------------------+
+//	 8 |                            offset                             |
+//	   +---------------------------------------------------------------+
+//	16 |                          generation                           |
+//	   +---------------------------------------------------------------+
+//
+// Done (11), 16 bytes and 16 for each range. Flags: DoneFUA (1). Count is 1 to
+// MaxDoneRanges (253); no range is empty or wraps around 2^64.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------------------------------+
+//	 0 |            handle             |             flags             |
+//	   +-------------------------------+-------------------------------+
+//	 8 |             count             |           reserved            |
+//	   +-------------------------------+-------------------------------+
+//	16 |                        range 0: offset                        |
+//	   +---------------------------------------------------------------+
+//	24 |                        range 0: length                        |
+//	   +---------------------------------------------------------------+
+//	32 | more ranges, up to count                                      ~
+//	   +---------------------------------------------------------------+
+//
+// Flush (13) and Close (16), 8 bytes.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------------------------------+-------------------------------+
+//	0 |            handle             |           reserved            |
+//	  +-------------------------------+-------------------------------+
+//
+// Trim (14) and WriteZeroes (15), 24 bytes. Flags: FlagFUA (1), and for
+// WriteZeroes FlagNoHole (2). The range does not wrap around 2^64.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------------------------------+-------------------------------+
+//	 0 |            handle             |             flags             |
+//	   +-------------------------------+-------------------------------+
+//	 8 |                            offset                             |
+//	   +---------------------------------------------------------------+
+//	16 |                            length                             |
+//	   +---------------------------------------------------------------+
+package protocol
