@@ -74,6 +74,12 @@
 //   - Close releases the handle and all its grants: the initiator stops using
 //     them when it sends Close. Close does not flush: send Flush first if the
 //     data must be durable.
+//   - When the target shuts down cleanly it first sends an Error with tag 0
+//     and CodeShutdown, a notice rather than a reply. The initiator then
+//     starts no new operation on the connection, lets those in flight finish
+//     (and sends their Done), sends Flush, and disconnects once it has the OK:
+//     every write it acknowledged is then durable. The target waits a bounded
+//     time for that before it closes the connection itself.
 //   - Any request may be answered by Error, with the request's tag, instead of
 //     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
 //     matches with ErrStale, ErrPerm and the like. CodeStale means the grant
