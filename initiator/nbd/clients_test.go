@@ -32,7 +32,9 @@ func run(t *testing.T, allowFail bool, tool string, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, need(t, tool), args...).CombinedOutput()
+	cmd := exec.CommandContext(ctx, need(t, tool), args...)
+	cmd.Dir = t.TempDir() // fio leaves its verify state files in its working directory
+	out, err := cmd.CombinedOutput()
 	if err != nil && !allowFail {
 		t.Fatalf("%s %s: %v\n%s", tool, strings.Join(args, " "), err, out)
 	}
