@@ -300,7 +300,9 @@ func (v *Volume) fail(err error) {
 	close(v.done)
 	close(v.changed)
 	v.changed = make(chan struct{})
-	v.log.Error("volume failed", zap.String("export", v.opts.Export), zap.Error(err))
+	if !errors.Is(err, ErrClosed) {
+		v.log.Error("volume failed", zap.String("export", v.opts.Export), zap.Error(err))
+	}
 }
 
 // current returns the session to do IO on, waiting while reconnecting.
@@ -355,7 +357,7 @@ func (v *Volume) ChunkSize() uint64 { return uint64(v.info.ChunkSize) }
 // Done is closed when the volume is closed or gave up reconnecting.
 func (v *Volume) Done() <-chan struct{} { return v.done }
 
-// Err is why the volume ended, or nil.
+// Err is why the volume ended (ErrClosed after Close), or nil.
 func (v *Volume) Err() error {
 	v.mu.Lock()
 	defer v.mu.Unlock()

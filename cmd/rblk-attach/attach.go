@@ -27,7 +27,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newAttachCmd(), newListCmd())
+	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd())
 	return root
 }
 
@@ -35,18 +35,24 @@ type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
 	readOnly, debug                                          bool
 	reconnectTimeout                                         time.Duration
+	dev                                                      deviceFlags // --device: see device.go
 }
 
 func newAttachCmd() *cobra.Command {
 	var f attachFlags
 	cmd := &cobra.Command{
-		Use:   "attach --target HOST:PORT --export NAME --nbd-listen unix:PATH|tcp:HOST:PORT",
-		Short: "Attach a volume and serve it over NBD until SIGINT or SIGTERM",
+		Use:   "attach --target HOST:PORT --export NAME (--nbd-listen unix:PATH|tcp:HOST:PORT | --device /dev/nbdN|auto)",
+		Short: "Attach a volume and serve it over NBD, or as /dev/nbdN, until SIGINT or SIGTERM",
 		Long: `Attach opens a volume on an rblk target and serves it as an NBD export,
 by the volume's name and as the default export. Reads are one-sided RDMA READs
 from the target's memory, writes RDMA WRITEs followed by a Done message.
 On SIGINT or SIGTERM it stops taking NBD requests, finishes those in flight,
-flushes the volume and detaches.`,
+flushes the volume and detaches.
+
+With --device it attaches the volume to this host's kernel as /dev/nbdN instead
+(root, and the nbd module: modprobe nbd). On SIGINT or SIGTERM it disconnects
+the device first (the kernel fails what is still in flight on it: unmount
+first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return attach(f) },
 	}
@@ -54,7 +60,8 @@ flushes the volume and detaches.`,
 	fl.StringVar(&f.target, "target", "", "rblkd address HOST:PORT (required)")
 	fl.StringVar(&f.export, "export", "", "volume name (required)")
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
-	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (required)")
+	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (this or --device)")
+	f.dev.register(fl)
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
 	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
@@ -93,8 +100,9 @@ func attach(f attachFlags) error {
 		return errors.New("--target HOST:PORT is required")
 	case f.export == "":
 		return errors.New("--export NAME is required")
-	case f.nbdListen == "":
-		return errors.New("--nbd-listen unix:PATH or tcp:HOST:PORT is required")
+	}
+	if err := f.dev.check(f.nbdListen); err != nil {
+		return err
 	}
 	log, err := cli.NewLogger(f.logFormat, f.debug)
 	if err != nil {
@@ -113,11 +121,13 @@ func attach(f attachFlags) error {
 		return err
 	}
 	defer stopMetrics()
-	ln, err := listenNBD(f.nbdListen)
-	if err != nil {
-		return err
+	var ln net.Listener
+	if f.nbdListen != "" {
+		if ln, err = listenNBD(f.nbdListen); err != nil {
+			return err
+		}
+		defer ln.Close()
 	}
-	defer ln.Close()
 
 	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
 	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export,
@@ -131,6 +141,9 @@ func attach(f attachFlags) error {
 	if err != nil {
 		vol.Close(context.Background())
 		return err
+	}
+	if f.dev.device != "" {
+		return serveDevice(ctx, f, vol, srv, log, why)
 	}
 	log.Info("attached", zap.String("export", f.export), zap.String("target", f.target), zap.String("transport", why),
 		zap.String("nbd", f.nbdListen), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()))

@@ -186,7 +186,10 @@ func (c *conn) readLoop(x *export) error {
 		}
 		typ := binary.BigEndian.Uint16(h[6:])
 		if typ == cmdDisc {
-			return errClientDisc
+			// Recorded now: a reply that fails while the requests in flight
+			// drain (the kernel shuts its socket right after DISC) must not
+			// replace the clean reason.
+			return c.setReason(errClientDisc)
 		}
 		length := binary.BigEndian.Uint32(h[24:])
 		if typ == cmdWrite && length > hardMaxBlock {

@@ -1,0 +1,47 @@
+package main
+
+import (
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rblk/rblk/initiator/kernel"
+)
+
+func TestDeviceFlagsCheck(t *testing.T) {
+	for _, c := range []struct {
+		d         deviceFlags
+		nbdListen string
+		want      string
+	}{
+		{deviceFlags{timeout: kernel.DefaultTimeout}, "", "--nbd-listen unix:PATH|tcp:HOST:PORT or --device /dev/nbdN|auto is required"},
+		{deviceFlags{device: "auto", timeout: kernel.DefaultTimeout}, "unix:/x", "--nbd-listen and --device exclude each other"},
+		{deviceFlags{connections: 2, timeout: kernel.DefaultTimeout}, "unix:/x", "--connections and --request-timeout go with --device"},
+		{deviceFlags{timeout: time.Second}, "unix:/x", "--connections and --request-timeout go with --device"},
+		{deviceFlags{device: "auto", connections: -1, timeout: kernel.DefaultTimeout}, "", "--connections: want 0 (automatic) or more"},
+		{deviceFlags{device: "/dev/sda", timeout: kernel.DefaultTimeout}, "", "--device: device \"/dev/sda\": want /dev/nbdN or auto"},
+		{deviceFlags{timeout: kernel.DefaultTimeout}, "unix:/x", ""},
+	} {
+		err := c.d.check(c.nbdListen)
+		got := ""
+		if err != nil {
+			got = err.Error()
+		}
+		if got != c.want {
+			t.Errorf("%+v with --nbd-listen %q: %q, want %q", c.d, c.nbdListen, got, c.want)
+		}
+		if strings.Contains(got, "\n") {
+			t.Errorf("error of more than one line: %q", got)
+		}
+	}
+}
+
+func TestAlive(t *testing.T) {
+	if !alive(os.Getpid()) {
+		t.Error("this process is not alive")
+	}
+	if alive(1 << 30) {
+		t.Error("a pid that cannot exist is alive")
+	}
+}

@@ -1,0 +1,290 @@
+package kernel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/initiator/nbd"
+)
+
+// Options configure Attach.
+type Options struct {
+	// Export is what the device shows (required): its Size, flags and
+	// Backend. Its MaxBlock must stay at 32 MiB (the default), the largest
+	// request the kernel's NBD driver sends.
+	Export *nbd.Export
+	// Server serves the sockets (ServeTransmission); nil: a server of this
+	// Device's own, closed by Detach.
+	Server *nbd.Server
+	// Device is /dev/nbdN, nbdN, or "auto" or "" for the first free one
+	// (the kernel picks it).
+	Device string
+	// Connections is the number of sockets (0: DefaultConnections()).
+	Connections int
+	// BlockSize of the device (0: DefaultBlockSize, lowered to a power of
+	// two that divides the size if it does not).
+	BlockSize uint32
+	// Timeout per request (0: DefaultTimeout; negative: none, which the
+	// kernel turns into its 30 s default once there are several sockets).
+	Timeout time.Duration
+	// DeadConnTimeout (0: none): how long IO waits for a dead socket to be
+	// replaced before it fails.
+	DeadConnTimeout time.Duration
+	// Backend identifies the server in /sys/block/nbdN/backend
+	// (default "rblk").
+	Backend string
+	// Logger: one line per device event. Default: no logs.
+	Logger *zap.Logger
+}
+
+// driver is the kernel side; the netlink driver on Linux, a fake in tests.
+type driver interface {
+	connect(ctx context.Context, c connectConfig) (index int, err error)
+	disconnect(ctx context.Context, index int) error
+}
+
+// Device is an attached /dev/nbdN served by this process.
+type Device struct {
+	index  int
+	export *nbd.Export
+	srv    *nbd.Server
+	ownSrv bool
+	drv    driver
+	log    *zap.Logger
+	conns  []net.Conn
+
+	sctx   context.Context // the backend calls' context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	done   chan struct{} // closed when every connection has ended
+
+	mu  sync.Mutex
+	err error // the first error a connection ended with
+
+	detachOnce sync.Once
+	detachErr  error
+}
+
+// Path is /dev/nbdN.
+func (d *Device) Path() string { return DevicePath(d.index) }
+
+// Index is N of /dev/nbdN.
+func (d *Device) Index() int { return d.index }
+
+// Connections is the number of sockets the kernel was given.
+func (d *Device) Connections() int { return len(d.conns) }
+
+// Done is closed once every connection has ended: after Detach, or when
+// the kernel let go of the device on its own (another process sent
+// NBD_CMD_DISCONNECT, such as `rblk-attach detach` or `nbd-client -d`).
+// Detach must still be called then: it flushes and releases.
+func (d *Device) Done() <-chan struct{} { return d.done }
+
+// Err is the first error a connection ended with, nil if they all ended
+// cleanly (NBD_CMD_DISC, or the kernel closed its socket).
+func (d *Device) Err() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.err
+}
+
+func (d *Device) setErr(err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.err == nil {
+		d.err = err
+	}
+}
+
+func (o *Options) setDefaults() {
+	if o.Connections <= 0 {
+		o.Connections = DefaultConnections()
+	}
+	switch {
+	case o.Timeout == 0:
+		o.Timeout = DefaultTimeout
+	case o.Timeout < 0:
+		o.Timeout = 0
+	}
+	if o.DeadConnTimeout < 0 {
+		o.DeadConnTimeout = 0
+	}
+	if o.Backend == "" {
+		o.Backend = "rblk"
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+}
+
+// attach is Attach with the kernel side given, and the sockets' creator.
+func attach(ctx context.Context, opts Options, drv driver, pair func() (mine net.Conn, theirs int, err error), closeFD func(int) error) (*Device, error) {
+	opts.setDefaults()
+	e := opts.Export
+	flags, err := ServerFlags(e, opts.Connections)
+	if err != nil {
+		return nil, err
+	}
+	if e.Backend == nil {
+		return nil, fmt.Errorf("export %q has no backend", e.Name)
+	}
+	if e.MaxBlock != 0 && e.MaxBlock < 32<<20 {
+		return nil, fmt.Errorf("export %q: MaxBlock %d is under the 32 MiB the kernel may send", e.Name, e.MaxBlock)
+	}
+	index, err := ParseDevice(opts.Device)
+	if err != nil {
+		return nil, err
+	}
+	bs, err := blockSize(e.Size, opts.BlockSize)
+	if err != nil {
+		return nil, fmt.Errorf("export %q: %w", e.Name, err)
+	}
+	if opts.BlockSize != 0 && bs != opts.BlockSize {
+		opts.Logger.Warn("block size lowered to divide the volume's size",
+			zap.Uint32("asked", opts.BlockSize), zap.Uint32("block_size", bs))
+	}
+
+	d := &Device{index: -1, export: e, srv: opts.Server, drv: drv, log: opts.Logger, done: make(chan struct{})}
+	if d.srv == nil {
+		if d.srv, err = nbd.NewServer(nbd.Options{Logger: opts.Logger}); err != nil {
+			return nil, err
+		}
+		d.ownSrv = true
+	}
+	d.sctx, d.cancel = context.WithCancel(context.Background())
+
+	// The kernel's ends: it takes its own reference to each during
+	// NBD_CMD_CONNECT, so they are closed here whatever happens.
+	var theirs []int
+	defer func() {
+		for _, fd := range theirs {
+			closeFD(fd)
+		}
+	}()
+	for range opts.Connections {
+		c, fd, err := pair()
+		if err != nil {
+			d.abort()
+			return nil, fmt.Errorf("socketpair: %w", err)
+		}
+		d.conns = append(d.conns, c)
+		theirs = append(theirs, fd)
+	}
+	// Serve before the kernel has the sockets: it may read the partition
+	// table as soon as the device has a size.
+	d.serve()
+
+	cfg := connectConfig{Index: index, SizeBytes: e.Size, BlockSizeBytes: uint64(bs), Timeout: opts.Timeout,
+		DeadConnTimeout: opts.DeadConnTimeout, ServerFlags: flags, Backend: opts.Backend, FDs: theirs}
+	got, err := drv.connect(ctx, cfg)
+	if err != nil {
+		d.abort()
+		if index >= 0 && errors.Is(err, ErrInUse) {
+			return nil, fmt.Errorf("%s is attached already: %w", DevicePath(index), err)
+		}
+		return nil, err
+	}
+	d.index = got
+	d.log.Info("nbd device attached", zap.String("device", d.Path()), zap.String("export", e.Name),
+		zap.Uint64("size", e.Size), zap.Uint32("block_size", bs), zap.Int("connections", len(d.conns)),
+		zap.String("server_flags", fmt.Sprintf("%#x", flags)), zap.Duration("timeout", opts.Timeout))
+	return d, nil
+}
+
+// serve runs ServeTransmission on each of our ends.
+func (d *Device) serve() {
+	d.wg.Add(len(d.conns))
+	for i, c := range d.conns {
+		go func() {
+			defer d.wg.Done()
+			if err := d.srv.ServeTransmission(d.sctx, c, d.export); err != nil {
+				d.setErr(fmt.Errorf("connection %d: %w", i, err))
+			}
+		}()
+	}
+	go func() {
+		d.wg.Wait()
+		close(d.done)
+	}()
+}
+
+// abort stops serving a device the kernel never got.
+func (d *Device) abort() {
+	for _, c := range d.conns {
+		c.Close()
+	}
+	d.cancel()
+	<-d.done
+	if d.ownSrv {
+		d.srv.Close()
+	}
+}
+
+// Detach disconnects the device and returns once this side is done with it:
+//
+//  1. NBD_CMD_DISCONNECT, unless the kernel let go already (Done closed).
+//     The kernel sends NBD_CMD_DISC on every socket, shuts the sockets down
+//     and fails the requests it still waits for with EIO: it does not drain
+//     them. A file system still mounted on the device sees IO errors from
+//     then on, so unmount first; Detach logs a warning when the device is
+//     held exclusively (mounted).
+//  2. Each connection's server stops reading at NBD_CMD_DISC (or at the end
+//     of the stream), lets the requests it already read run to completion
+//     in the backend, and ends. Detach waits for all of them.
+//  3. Backend.Flush (for a writable export): every write that reached the
+//     server is durable when Detach returns nil.
+//
+// If ctx ends first, the backend calls still running are cancelled. Safe to
+// call more than once: later calls return the first one's result.
+func (d *Device) Detach(ctx context.Context) error {
+	d.detachOnce.Do(func() { d.detachErr = d.detach(ctx) })
+	return d.detachErr
+}
+
+func (d *Device) detach(ctx context.Context) error {
+	var errs []error
+	select {
+	case <-d.done:
+		d.log.Info("nbd device was disconnected by another process", zap.String("device", d.Path()))
+	default:
+		if busy, err := inUse(d.Path()); err == nil && busy {
+			d.log.Warn("detaching a device that is in use (mounted?): its users get IO errors from now on",
+				zap.String("device", d.Path()))
+		}
+		if err := d.drv.disconnect(ctx, d.index); err != nil {
+			errs = append(errs, fmt.Errorf("disconnect %s: %w", d.Path(), err))
+			// The kernel may still hold the sockets: end them from here.
+			for _, c := range d.conns {
+				c.Close()
+			}
+		}
+	}
+	select {
+	case <-d.done:
+	case <-ctx.Done():
+		d.cancel()
+		for _, c := range d.conns {
+			c.Close()
+		}
+		<-d.done
+		errs = append(errs, fmt.Errorf("detach %s: requests in flight: %w", d.Path(), ctx.Err()))
+	}
+	d.cancel()
+	if d.ownSrv {
+		d.srv.Close()
+	}
+	if !d.export.ReadOnly {
+		if err := d.export.Backend.Flush(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("flush after detaching %s: %w", d.Path(), err))
+		}
+	}
+	err := errors.Join(errs...)
+	d.log.Info("nbd device detached", zap.String("device", d.Path()), zap.NamedError("error", err))
+	return err
+}

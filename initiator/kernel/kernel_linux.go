@@ -1,0 +1,199 @@
+//go:build linux
+
+package kernel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/mdlayher/genetlink"
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// Attach creates opts.Connections socketpairs, serves this process's end of
+// each with opts.Server.ServeTransmission for opts.Export, and hands the
+// other ends to the kernel's NBD driver with one NBD_CMD_CONNECT. It returns
+// once the device is usable: Path names it. Needs CAP_SYS_ADMIN and the nbd
+// module (ErrNoModule otherwise).
+func Attach(ctx context.Context, opts Options) (*Device, error) {
+	return attach(ctx, opts, netlinkDriver{}, socketpair, unix.Close)
+}
+
+// Detach disconnects /dev/nbdN (or nbdN) whoever serves it: the kernel sends
+// NBD_CMD_DISC to its server, which for rblk-attach flushes the volume and
+// exits. ErrNotAttached if the device has no server.
+func Detach(ctx context.Context, dev string) error {
+	index, err := ParseDevice(dev)
+	if err != nil {
+		return err
+	}
+	if index < 0 {
+		return errors.New("detach needs a device, not auto")
+	}
+	st, err := statIndex(index)
+	if err != nil {
+		return err
+	}
+	if !st.Attached {
+		return fmt.Errorf("%s: %w", st.Path, ErrNotAttached)
+	}
+	return netlinkDriver{}.disconnect(ctx, index)
+}
+
+// InUse tells whether dev is held exclusively: mounted, or a member of a
+// device-mapper or RAID device. It opens the device with O_EXCL, which fails
+// with EBUSY then.
+func InUse(dev string) (bool, error) {
+	index, err := ParseDevice(dev)
+	if err != nil {
+		return false, err
+	}
+	if index < 0 {
+		return false, errors.New("in use: needs a device, not auto")
+	}
+	return inUse(DevicePath(index))
+}
+
+func inUse(path string) (bool, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		if errors.Is(err, unix.EBUSY) {
+			return true, nil
+		}
+		return false, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	unix.Close(fd)
+	return false, nil
+}
+
+// socketpair makes a connected pair of unix stream sockets: a net.Conn of
+// ours and the kernel's descriptor.
+func socketpair() (net.Conn, int, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, -1, os.NewSyscallError("socketpair", err)
+	}
+	f := os.NewFile(uintptr(fds[0]), "nbd-server")
+	c, err := net.FileConn(f) // dups the descriptor
+	f.Close()
+	if err != nil {
+		unix.Close(fds[1])
+		return nil, -1, err
+	}
+	return c, fds[1], nil
+}
+
+// netlinkDriver talks to the kernel's "nbd" generic netlink family.
+type netlinkDriver struct{}
+
+// dial opens a generic netlink socket and finds the nbd family; ctx's
+// deadline (or its end) bounds every exchange on it.
+func (netlinkDriver) dial(ctx context.Context) (*genetlink.Conn, genetlink.Family, func(), error) {
+	c, err := genetlink.Dial(nil)
+	if err != nil {
+		return nil, genetlink.Family{}, nil, fmt.Errorf("generic netlink: %w", err)
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Unix(1, 0)) })
+	closeAll := func() {
+		stop()
+		c.Close()
+	}
+	fam, err := c.GetFamily(genlFamilyName)
+	if err != nil {
+		closeAll()
+		if errors.Is(err, syscall.ENOENT) {
+			return nil, genetlink.Family{}, nil, ErrNoModule
+		}
+		return nil, genetlink.Family{}, nil, fmt.Errorf("generic netlink family %q: %w", genlFamilyName, ctxErr(ctx, err))
+	}
+	return c, fam, closeAll, nil
+}
+
+// ctxErr prefers the context's error to the deadline error it caused.
+func ctxErr(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		return fmt.Errorf("%w (%v)", cerr, err)
+	}
+	return err
+}
+
+// kernelErr words the errors the NBD driver answers with.
+func kernelErr(cmd string, err error) error {
+	switch {
+	case errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES):
+		return fmt.Errorf("%s: NBD devices need CAP_SYS_ADMIN (run as root): %w", cmd, err)
+	case errors.Is(err, unix.EBUSY):
+		return fmt.Errorf("%s: %w: %w", cmd, ErrInUse, err)
+	case errors.Is(err, unix.EINVAL):
+		return fmt.Errorf("%s: the kernel refused it (its log, dmesg, says why): %w", cmd, err)
+	}
+	return fmt.Errorf("%s: %w", cmd, err)
+}
+
+func (n netlinkDriver) connect(ctx context.Context, cfg connectConfig) (int, error) {
+	data, err := encodeConnect(cfg)
+	if err != nil {
+		return -1, err
+	}
+	c, fam, closeConn, err := n.dial(ctx)
+	if err != nil {
+		return -1, err
+	}
+	defer closeConn()
+	// No NLM_F_ACK: on success the kernel answers with a message carrying
+	// the index, on failure with an error.
+	msgs, err := c.Execute(genetlink.Message{
+		Header: genetlink.Header{Command: nbdCmdConnect, Version: genlVersion},
+		Data:   data,
+	}, fam.ID, netlink.Request)
+	if err != nil {
+		return -1, kernelErr("NBD_CMD_CONNECT", ctxErr(ctx, err))
+	}
+	for _, m := range msgs {
+		if index, err := decodeIndex(m.Data); err == nil {
+			return index, nil
+		}
+	}
+	return -1, errors.New("NBD_CMD_CONNECT: the kernel's reply names no device")
+}
+
+func (n netlinkDriver) disconnect(ctx context.Context, index int) error {
+	data, err := encodeIndex(index)
+	if err != nil {
+		return err
+	}
+	c, fam, closeConn, err := n.dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeConn()
+	// The kernel sends no reply to a disconnect: ask for the ack.
+	_, err = c.Execute(genetlink.Message{
+		Header: genetlink.Header{Command: nbdCmdDisconnect, Version: genlVersion},
+		Data:   data,
+	}, fam.ID, netlink.Request|netlink.Acknowledge)
+	if err != nil {
+		return kernelErr("NBD_CMD_DISCONNECT", ctxErr(ctx, err))
+	}
+	return nil
+}
+
+// Available reports ErrNoModule when the kernel has no NBD driver, or why
+// its netlink interface cannot be reached; nil when Attach can try.
+func Available(ctx context.Context) error {
+	_, _, closeConn, err := netlinkDriver{}.dial(ctx)
+	if err != nil {
+		return err
+	}
+	closeConn()
+	return nil
+}
