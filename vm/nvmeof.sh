@@ -1,0 +1,118 @@
+# vm/nvmeof.sh: sourceable helpers for guest scripts (bash): the kernel's own
+# NVMe-oF RDMA target (nvmet-rdma) and host (nvme-rdma) over Soft-RoCE, as a
+# peer to compare rblk with. Inside the guest: . "$RBLK_VM_LIB/nvmeof.sh"
+#
+#   dev=$(nvmet_setup FILE [SIZE])   export FILE (created with SIZE, default
+#                                    $NVMET_SIZE or 256M, if missing) through a
+#                                    loop device, connect to it over RDMA and
+#                                    print the block device (/dev/nvmeXnY)
+#   nvmet_teardown                   disconnect and remove target, loop device
+#
+# Settings: NVMET_NQN (default nqn.2024-01.io.rblk:vmtest), NVMET_ADDR
+# (default $RBLK_VM_ADDR or 192.0.2.1), NVMET_PORT (default 4420).
+# One export at a time; its state is kept in /run/rblk-nvmet.state so that
+# nvmet_teardown works after nvmet_setup ran in a $(...) subshell.
+# Messages go to stderr; only the device path goes to stdout.
+
+NVMET_STATE=/run/rblk-nvmet.state
+NVMET_CFG=/sys/kernel/config/nvmet
+
+_nvmet_log() { echo "nvmet: $*" >&2; }
+
+# _nvmet_find_dev NQN: print /dev/nvmeXnY of the connected controller for NQN.
+_nvmet_find_dev() {
+	local nqn=$1 c ns
+	for c in /sys/class/nvme/nvme*; do
+		[ -e "$c/subsysnqn" ] || continue
+		[ "$(cat "$c/subsysnqn")" = "$nqn" ] || continue
+		# Native multipath (Debian default): the block device hangs off the
+		# subsystem as nvme<subsys>n<ns>; without it, off the controller.
+		for ns in "$c"/nvme*n* "$c"/subsystem/nvme*n* /sys/class/nvme-subsystem/*/nvme*n*; do
+			[ -e "$ns" ] || continue
+			case $ns in
+			*/nvme-subsystem/*)
+				[ "$(cat "$(dirname "$ns")/subsysnqn")" = "$nqn" ] || continue ;;
+			esac
+			ns=$(basename "$ns")
+			case $ns in *c*n*) continue ;; esac # hidden per-path node
+			[ -b "/dev/$ns" ] && { echo "/dev/$ns"; return 0; }
+		done
+	done
+	return 1
+}
+
+nvmet_setup() {
+	local file=${1:?usage: nvmet_setup FILE [SIZE]} size=${2:-${NVMET_SIZE:-256M}}
+	local nqn=${NVMET_NQN:-nqn.2024-01.io.rblk:vmtest}
+	local addr=${NVMET_ADDR:-${RBLK_VM_ADDR:-192.0.2.1}} port=${NVMET_PORT:-4420}
+	local loop sub pdir dev="" _i
+
+	if [ -e "$NVMET_STATE" ]; then
+		_nvmet_log "already set up ($NVMET_STATE); call nvmet_teardown first"
+		return 1
+	fi
+	modprobe -a configfs loop nvmet nvmet-rdma nvme-rdma || return 1
+	mountpoint -q /sys/kernel/config || mount -t configfs configfs /sys/kernel/config || return 1
+
+	if [ ! -e "$file" ]; then
+		fallocate -l "$size" "$file" 2>/dev/null || truncate -s "$size" "$file" || return 1
+	fi
+	# nvmet refuses a regular file on tmpfs as device_path; a loop device works.
+	loop=$(losetup -f --show "$file") || return 1
+	echo "nqn=$nqn loop=$loop port=$port file=$file" >"$NVMET_STATE"
+
+	sub=$NVMET_CFG/subsystems/$nqn
+	pdir=$NVMET_CFG/ports/1
+	{
+		mkdir "$sub" &&
+			echo 1 >"$sub/attr_allow_any_host" &&
+			mkdir "$sub/namespaces/1" &&
+			printf '%s' "$loop" >"$sub/namespaces/1/device_path" &&
+			echo 1 >"$sub/namespaces/1/enable" &&
+			mkdir "$pdir" &&
+			echo rdma >"$pdir/addr_trtype" &&
+			echo ipv4 >"$pdir/addr_adrfam" &&
+			echo "$addr" >"$pdir/addr_traddr" &&
+			echo "$port" >"$pdir/addr_trsvcid" &&
+			ln -s "$sub" "$pdir/subsystems/$nqn"
+	} || { _nvmet_log "configfs setup failed"; nvmet_teardown; return 1; }
+
+	nvme connect -t rdma -a "$addr" -s "$port" -n "$nqn" >&2 ||
+		{ _nvmet_log "nvme connect failed"; nvmet_teardown; return 1; }
+	for _i in $(seq 100); do
+		dev=$(_nvmet_find_dev "$nqn") && break
+		sleep 0.2
+	done
+	if [ -z "$dev" ]; then
+		_nvmet_log "no block device appeared for $nqn"
+		nvmet_teardown
+		return 1
+	fi
+	_nvmet_log "$file -> $loop -> rdma $addr:$port $nqn -> $dev"
+	echo "$dev"
+}
+
+nvmet_teardown() {
+	local nqn="" loop="" kv
+	[ -e "$NVMET_STATE" ] || return 0
+	for kv in $(cat "$NVMET_STATE"); do
+		case $kv in
+		nqn=*) nqn=${kv#nqn=} ;;
+		loop=*) loop=${kv#loop=} ;;
+		esac
+	done
+	local sub=$NVMET_CFG/subsystems/$nqn pdir=$NVMET_CFG/ports/1
+	nvme disconnect -n "$nqn" >&2 2>/dev/null
+	rm -f "$pdir/subsystems/$nqn" 2>/dev/null
+	[ -d "$pdir" ] && rmdir "$pdir" 2>/dev/null
+	[ -e "$sub/namespaces/1/enable" ] && echo 0 >"$sub/namespaces/1/enable"
+	[ -d "$sub/namespaces/1" ] && rmdir "$sub/namespaces/1" 2>/dev/null
+	[ -d "$sub" ] && rmdir "$sub" 2>/dev/null
+	[ -n "$loop" ] && losetup -d "$loop" 2>/dev/null
+	rm -f "$NVMET_STATE"
+	if [ -d "$sub" ] || [ -d "$pdir" ]; then
+		_nvmet_log "teardown incomplete"
+		return 1
+	fi
+	return 0
+}
