@@ -178,7 +178,14 @@ func (v *Volume) connect(ctx context.Context) (*session, error) {
 	if v.opts.ReadOnly {
 		mode = protocol.ModeReadOnly
 	}
-	if err := l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export}, &s.info); err != nil {
+	err = l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export}, &s.info)
+	if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
+		// A read-only export: attach it read-only, as a disk with its
+		// write-protect switch on.
+		v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
+		err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export}, &s.info)
+	}
+	if err != nil {
 		l.Close()
 		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
 	}
@@ -470,22 +477,43 @@ func (s *session) revoke(tag uint64, r *protocol.Revoke) {
 	}
 }
 
+// tryAcquire takes a reference on the grant of every chunk of idxs if all
+// of them are held and usable, and reports whether it did.
+func (s *session) tryAcquire(b *ioBuf, idxs []uint64, write bool) bool {
+	v := s.v
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, idx := range idxs {
+		if g := s.grants[idx]; g == nil || !g.valid || (write && !g.writable) {
+			return false
+		}
+	}
+	for _, idx := range idxs {
+		g := s.grants[idx]
+		g.refs++
+		b.grants = append(b.grants, g)
+	}
+	return true
+}
+
 // acquire makes sure the chunks idxs are granted, then takes a reference on
 // each, all at once: no reference is held while waiting for a grant, so a
-// revoke never waits on an IO that waits on another grant.
-func (s *session) acquire(ctx context.Context, b *ioBuf, write bool) error {
+// revoke never waits on an IO that waits on another grant. With a single
+// chunk it always makes progress: a grant just fetched is referenced before
+// a revoke of it can take effect.
+func (s *session) acquire(ctx context.Context, b *ioBuf, idxs []uint64, write bool) error {
 	v := s.v
 	v.mu.Lock()
 	for {
 		missing := -1
-		for i, idx := range b.idxs {
+		for i, idx := range idxs {
 			if g := s.grants[idx]; g == nil || !g.valid || (write && !g.writable) {
 				missing = i
 				break
 			}
 		}
 		if missing < 0 {
-			for _, idx := range b.idxs {
+			for _, idx := range idxs {
 				g := s.grants[idx]
 				g.refs++
 				b.grants = append(b.grants, g)
@@ -493,7 +521,7 @@ func (s *session) acquire(ctx context.Context, b *ioBuf, write bool) error {
 			v.mu.Unlock()
 			return nil
 		}
-		idx := b.idxs[missing]
+		idx := idxs[missing]
 		if g := s.grants[idx]; g != nil && g.fetching != nil {
 			ch := g.fetching
 			v.mu.Unlock()
@@ -569,23 +597,32 @@ func (v *Volume) releaseGrants(b *ioBuf) {
 	b.grants = b.grants[:0]
 }
 
-// ops fills b.ops with one operation per piece of b's segments within one
-// chunk. b.grants holds the grants of b.idxs.
-func (s *session) ops(b *ioBuf, off uint64, write bool) {
+// ops fills b.ops with one operation per piece of the volume range
+// [lo, hi), within one chunk and one buffer segment, of a request of b at
+// off. b.grants holds the grants of the chunks of [lo, hi), in order.
+func (s *session) ops(b *ioBuf, off, lo, hi uint64, write bool) {
 	b.ops = b.ops[:0]
 	cs := uint64(s.info.ChunkSize)
-	first := off / cs
-	pos := off
+	first := lo / cs
 	slot := s.v.pool.slotSize
+	pos := off
 	for si, seg := range b.Segs {
-		for so := 0; so < len(seg); {
-			g := b.grants[pos/cs-first]
-			n := min(uint64(len(seg)-so), g.off+g.length-pos)
-			b.ops = append(b.ops, link.Op{Write: write, Addr: g.addr + (pos - g.off), RKey: g.rkey,
-				Local: transport.SGE{Region: s.region, Offset: b.slots[si]*slot + so, Length: int(n)}})
-			so += int(n)
-			pos += n
+		end := pos + uint64(len(seg))
+		if end <= lo {
+			pos = end
+			continue
 		}
+		if pos >= hi {
+			break
+		}
+		for p := max(pos, lo); p < min(end, hi); {
+			g := b.grants[p/cs-first]
+			n := min(min(end, hi)-p, g.off+g.length-p)
+			b.ops = append(b.ops, link.Op{Write: write, Addr: g.addr + (p - g.off), RKey: g.rkey,
+				Local: transport.SGE{Region: s.region, Offset: b.slots[si]*slot + int(p-pos), Length: int(n)}})
+			p += n
+		}
+		pos = end
 	}
 }
 
@@ -672,22 +709,23 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 	}
 	v.plan(b, off, n)
 	err := v.retry(ctx, op, func(s *session) error {
-		if err := s.acquire(ctx, b, write); err != nil {
-			return err
+		if s.tryAcquire(b, b.idxs, write) {
+			// The usual case: every chunk is granted; one chain of work
+			// requests does the whole request.
+			return s.rdma(ctx, b, off, off, off+n, write, fua)
 		}
-		defer v.releaseGrants(b)
-		s.ops(b, off, write)
-		start := time.Now()
-		if err := s.link.RDMA(ctx, b.ops...); err != nil {
-			return err
-		}
-		v.m.rdmaSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
-		v.m.rdmaOps.WithLabelValues(op).Add(float64(len(b.ops)))
-		v.m.rdmaBytes.WithLabelValues(op).Add(float64(n))
-		if write {
-			// Sent before the grants are released, so that the target
-			// sees it before any RevokeAck for those chunks.
-			return s.done(ctx, b, off, n, fua)
+		// Chunk by chunk, holding one grant at a time, so that a request
+		// larger than the target's cache, or many requests at once, always
+		// make progress.
+		cs := uint64(s.info.ChunkSize)
+		for i := range b.idxs {
+			lo, hi := max(off, b.idxs[i]*cs), min(off+n, (b.idxs[i]+1)*cs)
+			if err := s.acquire(ctx, b, b.idxs[i:i+1], write); err != nil {
+				return err
+			}
+			if err := s.rdma(ctx, b, off, lo, hi, write, fua); err != nil {
+				return err
+			}
 		}
 		return nil
 	})
@@ -695,6 +733,31 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 		v.writes.Add(1)
 	}
 	return err
+}
+
+// rdma moves the volume range [lo, hi) of the request of b at off, whose
+// grants b.grants holds referenced, and releases them. A write is followed
+// by its Done, sent before the grants are released so that the target sees
+// it before any RevokeAck for those chunks.
+func (s *session) rdma(ctx context.Context, b *ioBuf, off, lo, hi uint64, write, fua bool) error {
+	v := s.v
+	defer v.releaseGrants(b)
+	op := "read"
+	if write {
+		op = "write"
+	}
+	s.ops(b, off, lo, hi, write)
+	start := time.Now()
+	if err := s.link.RDMA(ctx, b.ops...); err != nil {
+		return err
+	}
+	v.m.rdmaSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
+	v.m.rdmaOps.WithLabelValues(op).Add(float64(len(b.ops)))
+	v.m.rdmaBytes.WithLabelValues(op).Add(float64(hi - lo))
+	if write {
+		return s.done(ctx, b, lo, hi-lo, fua)
+	}
+	return nil
 }
 
 // plan fills b.idxs with the chunks of [off, off+n).

@@ -126,7 +126,7 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("export %q: open %s: %w", e.Name, e.Path, err)
+		return nil, fmt.Errorf("export %q: %w", e.Name, err) // err names the path
 	}
 	st, err := f.Stat()
 	if err != nil {

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -39,7 +38,6 @@ type session struct {
 	chunks  map[*chunk]struct{} // chunks this session holds grants of
 
 	done protocol.Done // reused by the completion goroutine
-	ops  atomic.Int64
 }
 
 func (s *session) handle(h protocol.Header, payload []byte) {

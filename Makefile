@@ -1,0 +1,79 @@
+# rblk: common tasks. `make help` lists them.
+# The one test command is scripts/test.sh (what CI runs, via .ci/run).
+
+GO        ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
+PREFIX    ?= /usr/local
+BINDIR    ?= $(PREFIX)/bin
+UNITDIR   ?= /etc/systemd/system
+CONFDIR   ?= /etc/rblk
+FUZZTIME  ?= 10s
+GOBIN_DIR := $(shell $(GO) env GOPATH 2>/dev/null)/bin
+STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/staticcheck)
+
+.PHONY: all help build test unit e2e fuzz bench lint quickstart install uninstall clean
+
+all: build
+
+help:
+	@echo "make build       bin/rblkd and bin/rblk-attach"
+	@echo "make test        scripts/test.sh: installs tools, runs every check (what CI runs)"
+	@echo "make unit        go test -race ./... (but e2e)"
+	@echo "make e2e         the end-to-end tests of e2e/ (no skipping: RBLK_E2E_REQUIRE=1)"
+	@echo "make fuzz        every fuzz target of protocol/ for FUZZTIME=$(FUZZTIME) each"
+	@echo "make bench       go benchmarks, then bench/fio-compare.sh"
+	@echo "make lint        gofmt, go vet, staticcheck"
+	@echo "make quickstart  scripts/quickstart.sh (root)"
+	@echo "make install     binaries to $(BINDIR), systemd units to $(UNITDIR), example env files to $(CONFDIR)"
+	@echo "make clean       remove bin/"
+
+build:
+	$(GO) build -o bin/ ./cmd/rblkd ./cmd/rblk-attach
+
+test:
+	bash scripts/test.sh
+
+unit:
+	$(GO) test -race -count=1 $$($(GO) list ./... | grep -v '/e2e$$')
+
+e2e:
+	RBLK_E2E_REQUIRE=1 $(GO) test -count=1 -v -timeout 15m ./e2e/
+
+fuzz:
+	@set -e; for pkg in $$($(GO) list ./protocol/...); do \
+		for t in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+			echo "== $$pkg $$t ($(FUZZTIME))"; \
+			$(GO) test -run='^$$' -fuzz="^$$t\$$" -fuzztime=$(FUZZTIME) $$pkg; \
+		done; \
+	done
+
+bench:
+	$(GO) test -run='^$$' -bench=. ./...
+	@if [ -x bench/fio-compare.sh ] || [ -f bench/fio-compare.sh ]; then bash bench/fio-compare.sh; fi
+
+lint:
+	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	$(STATICCHECK) ./...
+
+quickstart:
+	bash scripts/quickstart.sh
+
+install: build
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(CONFDIR)
+	install -m 0755 bin/rblkd bin/rblk-attach $(DESTDIR)$(BINDIR)/
+	install -m 0644 systemd/rblkd.service systemd/rblk-attach@.service $(DESTDIR)$(UNITDIR)/
+	@# Example settings: never overwrite a file the administrator edited.
+	@for f in rblkd.env attach-vol0.env; do \
+		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \
+		else install -m 0644 systemd/$$f.example $(DESTDIR)$(CONFDIR)/$$f; echo "installed $(DESTDIR)$(CONFDIR)/$$f"; fi; \
+	done
+	@if [ -z "$(DESTDIR)" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "Edit $(CONFDIR)/rblkd.env, then: systemctl enable --now rblkd"
+	@echo "Per volume: $(CONFDIR)/attach-NAME.env, then: systemctl enable --now rblk-attach@NAME"
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/rblkd $(DESTDIR)$(BINDIR)/rblk-attach
+	rm -f $(DESTDIR)$(UNITDIR)/rblkd.service $(DESTDIR)$(UNITDIR)/rblk-attach@.service
+
+clean:
+	rm -rf bin/

@@ -1,0 +1,598 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// Paths of the binaries TestMain builds.
+var (
+	rblkdBin  string
+	attachBin string
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(runMain(m))
+}
+
+func runMain(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "rblk-e2e-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if err := buildBinaries(dir); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e: build:", err)
+		return 1
+	}
+	rblkdBin = filepath.Join(dir, "rblkd")
+	attachBin = filepath.Join(dir, "rblk-attach")
+	code := m.Run()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: goroutines left behind:", err)
+			code = 1
+		}
+	}
+	return code
+}
+
+// goTool finds the go command: on PATH, else where Debian and the official
+// tarball put it.
+func goTool() string {
+	if p, err := exec.LookPath("go"); err == nil {
+		return p
+	}
+	for _, p := range []string{"/usr/local/go/bin/go", "/usr/lib/go/bin/go"} {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	return "go"
+}
+
+func buildBinaries(dir string) error {
+	args := []string{"build"}
+	if os.Getenv("RBLK_E2E_RACE") == "1" {
+		args = append(args, "-race")
+	}
+	args = append(args, "-o", dir+string(filepath.Separator),
+		"github.com/rblk/rblk/cmd/rblkd", "github.com/rblk/rblk/cmd/rblk-attach")
+	cmd := exec.Command(goTool(), args...)
+	cmd.Stdout = os.Stderr
+	cmd.Stderr = os.Stderr
+	return cmd.Run()
+}
+
+// requireEnv reports whether a missing tool or privilege must fail the test
+// instead of skipping it.
+func requireEnv() bool { return os.Getenv("RBLK_E2E_REQUIRE") == "1" }
+
+// skipOrFail skips t with the reason, or fails it under RBLK_E2E_REQUIRE=1.
+func skipOrFail(t *testing.T, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if requireEnv() {
+		t.Fatalf("%s (RBLK_E2E_REQUIRE=1: not skipping)", msg)
+	}
+	t.Skip(msg)
+}
+
+// toolPath finds a tool on PATH or in the sbin folders, which a non-login
+// root shell may lack on its PATH.
+func toolPath(name string) (string, bool) {
+	if p, err := exec.LookPath(name); err == nil {
+		return p, true
+	}
+	for _, d := range []string{"/usr/sbin", "/sbin", "/usr/bin", "/bin"} {
+		p := filepath.Join(d, name)
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return p, true
+		}
+	}
+	return "", false
+}
+
+// needTools skips (or fails) t unless every tool is installed.
+func needTools(t *testing.T, tools ...string) {
+	t.Helper()
+	for _, name := range tools {
+		if _, ok := toolPath(name); !ok {
+			skipOrFail(t, "%s is not installed (Debian package %s)", name, debPackage(name))
+		}
+	}
+}
+
+func debPackage(tool string) string {
+	switch tool {
+	case "qemu-io", "qemu-img":
+		return "qemu-utils"
+	case "nbdinfo", "nbdcopy":
+		return "libnbd-bin"
+	case "fusermount3":
+		return "fuse3"
+	case "mkfs.ext4", "e2fsck":
+		return "e2fsprogs"
+	case "losetup", "mount", "umount":
+		return "util-linux"
+	}
+	return tool
+}
+
+// needRootAndFUSE skips (or fails) t unless it runs as root with /dev/fuse
+// and loop devices.
+func needRootAndFUSE(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		skipOrFail(t, "needs root for losetup and mount (running as uid %d)", os.Geteuid())
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		skipOrFail(t, "needs /dev/fuse for nbdfuse: %v", err)
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		skipOrFail(t, "needs loop devices (/dev/loop-control): %v", err)
+	}
+}
+
+// syncBuffer collects a process's output.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// proc is a daemon started by a test: rblkd, rblk-attach or nbdfuse.
+type proc struct {
+	name    string
+	cmd     *exec.Cmd
+	out     *syncBuffer
+	done    chan struct{}
+	waitErr error
+}
+
+// startProc starts bin with args. A cleanup kills it if the test did not
+// stop it, and prints its output if the test failed.
+func startProc(t *testing.T, name, bin string, args ...string) *proc {
+	t.Helper()
+	p := &proc{name: name, out: &syncBuffer{}, done: make(chan struct{})}
+	p.cmd = exec.Command(bin, args...)
+	p.cmd.Stdout = p.out
+	p.cmd.Stderr = p.out
+	// If the test binary dies, so do its daemons.
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := p.cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", name, err)
+	}
+	t.Logf("started %s (pid %d): %s %s", name, p.cmd.Process.Pid, filepath.Base(bin), strings.Join(args, " "))
+	go func() {
+		p.waitErr = p.cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		if !p.exited() {
+			t.Logf("cleanup: killing %s (pid %d), still running", name, p.cmd.Process.Pid)
+			p.cmd.Process.Kill()
+			<-p.done
+		}
+		if t.Failed() {
+			t.Logf("output of %s:\n%s", name, p.out.String())
+		}
+	})
+	return p
+}
+
+func (p *proc) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// stop sends SIGTERM and requires a clean exit 0 within the timeout, with no
+// panic or data race in the output.
+func (p *proc) stop(t *testing.T, timeout time.Duration) {
+	t.Helper()
+	if p.exited() {
+		t.Fatalf("%s exited before it was stopped: %v\n%s", p.name, p.waitErr, p.out.String())
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("SIGTERM %s: %v", p.name, err)
+	}
+	select {
+	case <-p.done:
+	case <-time.After(timeout):
+		p.cmd.Process.Kill()
+		<-p.done
+		t.Fatalf("%s did not exit within %v of SIGTERM\n%s", p.name, timeout, p.out.String())
+	}
+	if p.waitErr != nil {
+		t.Fatalf("%s exited with %v after SIGTERM, want exit 0\n%s", p.name, p.waitErr, p.out.String())
+	}
+	p.checkOutput(t)
+}
+
+// checkOutput fails t if the process panicked or raced.
+func (p *proc) checkOutput(t *testing.T) {
+	t.Helper()
+	out := p.out.String()
+	for _, bad := range []string{"panic:", "WARNING: DATA RACE", "fatal error:"} {
+		if strings.Contains(out, bad) {
+			t.Errorf("%s output has %q:\n%s", p.name, bad, out)
+		}
+	}
+}
+
+// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// sockDir is a short temporary folder for unix sockets (their paths are
+// limited to 107 bytes).
+func sockDir(t *testing.T) string {
+	t.Helper()
+	d, err := os.MkdirTemp("", "rblk-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
+// target is a running rblkd.
+type target struct {
+	*proc
+	addr    string // HOST:PORT initiators dial
+	metrics string // HOST:PORT of /metrics
+}
+
+// startTarget starts rblkd serve --transport tcp on free ports with the
+// given --export values and extra flags, and waits until it accepts.
+func startTarget(t *testing.T, exports []string, extra ...string) *target {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		args := []string{"serve", "--transport", "tcp", "--listen", addr, "--metrics-listen", metrics}
+		for _, e := range exports {
+			args = append(args, "--export", e)
+		}
+		args = append(args, extra...)
+		p := startProc(t, "rblkd", rblkdBin, args...)
+		tg := &target{proc: p, addr: addr, metrics: metrics}
+		err := waitUntil(p, 20*time.Second, func() bool {
+			c, err := net.DialTimeout("tcp", addr, time.Second)
+			if err != nil {
+				return false
+			}
+			c.Close()
+			return httpOK("http://" + metrics + "/metrics")
+		})
+		if err == nil {
+			return tg
+		}
+		if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
+			t.Logf("rblkd lost a port race, retrying")
+			continue
+		}
+		t.Fatalf("rblkd not ready: %v\n%s", err, p.out.String())
+	}
+}
+
+// attacher is a running rblk-attach.
+type attacher struct {
+	*proc
+	sock    string // path of the NBD unix socket
+	metrics string
+}
+
+// uri is the NBD URI of export name ("" for the default export).
+func (a *attacher) uri(name string) string {
+	return "nbd+unix:///" + name + "?socket=" + a.sock
+}
+
+// startAttach attaches export of tg with --nbd-listen on a unix socket in a
+// fresh folder, and waits until its NBD server greets.
+func startAttach(t *testing.T, tg *target, export string, extra ...string) *attacher {
+	t.Helper()
+	sock := filepath.Join(sockDir(t), "nbd.sock")
+	for attempt := 1; ; attempt++ {
+		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		args := []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", export,
+			"--nbd-listen", "unix:" + sock, "--metrics-listen", metrics}
+		args = append(args, extra...)
+		p := startProc(t, "rblk-attach", attachBin, args...)
+		a := &attacher{proc: p, sock: sock, metrics: metrics}
+		err := waitUntil(p, 30*time.Second, func() bool { return nbdGreets(sock) })
+		if err == nil {
+			return a
+		}
+		if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
+			t.Logf("rblk-attach lost a port race, retrying")
+			continue
+		}
+		t.Fatalf("rblk-attach not ready: %v\n%s", err, p.out.String())
+	}
+}
+
+// nbdGreets reports whether an NBD server on sock sends its greeting.
+func nbdGreets(sock string) bool {
+	c, err := net.DialTimeout("unix", sock, time.Second)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	var magic [8]byte
+	if _, err := io.ReadFull(c, magic[:]); err != nil {
+		return false
+	}
+	return string(magic[:]) == "NBDMAGIC"
+}
+
+// waitUntil polls ready until it holds, p exits, or the timeout passes.
+func waitUntil(p *proc, timeout time.Duration, ready func() bool) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		if p.exited() {
+			return fmt.Errorf("%s exited: %v", p.name, p.waitErr)
+		}
+		if ready() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not ready after %v", p.name, timeout)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func httpOK(url string) bool {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode == http.StatusOK
+}
+
+// result is the outcome of a command run to completion.
+type result struct {
+	stdout, stderr string
+	code           int
+}
+
+func (r result) String() string {
+	return fmt.Sprintf("exit %d\nstdout:\n%s\nstderr:\n%s", r.code, r.stdout, r.stderr)
+}
+
+// runWithin is run, but returns nil instead of failing t on the timeout.
+func runWithin(t *testing.T, timeout time.Duration, name string, args ...string) *result {
+	t.Helper()
+	r, ok := runCmd(t, timeout, name, args...)
+	if !ok {
+		return nil
+	}
+	return &r
+}
+
+// run runs a command to completion within timeout. Only a failure to run it
+// at all (or the timeout) fails t; the exit code is the caller's to judge.
+func run(t *testing.T, timeout time.Duration, name string, args ...string) result {
+	t.Helper()
+	r, ok := runCmd(t, timeout, name, args...)
+	if !ok {
+		t.Fatalf("%s %s: timed out after %v\n%s", name, strings.Join(args, " "), timeout, r)
+	}
+	return r
+}
+
+func runCmd(t *testing.T, timeout time.Duration, name string, args ...string) (result, bool) {
+	t.Helper()
+	path := name
+	if !strings.Contains(name, "/") {
+		if p, ok := toolPath(name); ok {
+			path = p
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, path, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	start := time.Now()
+	err := cmd.Run()
+	r := result{stdout: stdout.String(), stderr: stderr.String()}
+	var ee *exec.ExitError
+	switch {
+	case ctx.Err() != nil:
+		t.Logf("%s %s: timed out after %v\n%s", name, strings.Join(args, " "), timeout, r)
+		return r, false
+	case errors.As(err, &ee):
+		r.code = ee.ExitCode()
+	case err != nil:
+		t.Fatalf("%s: %v", name, err)
+	}
+	t.Logf("ran %s %s: exit %d in %v", filepath.Base(name), strings.Join(args, " "), r.code, time.Since(start).Round(time.Millisecond))
+	return r, true
+}
+
+// mustRun runs a command and fails t unless it exits 0.
+func mustRun(t *testing.T, timeout time.Duration, name string, args ...string) result {
+	t.Helper()
+	r := run(t, timeout, name, args...)
+	if r.code != 0 {
+		t.Fatalf("%s %s failed: %s", name, strings.Join(args, " "), r)
+	}
+	return r
+}
+
+// scrape returns the text of a /metrics page.
+func scrape(t *testing.T, addr string) string {
+	t.Helper()
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatalf("scrape %s: %v", addr, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape %s: status %d, %v", addr, resp.StatusCode, err)
+	}
+	return string(b)
+}
+
+var sampleRE = regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)`)
+
+// metricSum adds up every sample of the metric called name whose labels
+// contain each of labels (as `op="write"`). found is false if there is none.
+func metricSum(text, name string, labels ...string) (sum float64, found bool) {
+	sc := bufio.NewScanner(strings.NewReader(text))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		m := sampleRE.FindStringSubmatch(sc.Text())
+		if m == nil || m[1] != name {
+			continue
+		}
+		ok := true
+		for _, l := range labels {
+			if !strings.Contains(m[2], l) {
+				ok = false
+			}
+		}
+		if !ok {
+			continue
+		}
+		v, err := strconv.ParseFloat(m[3], 64)
+		if err != nil {
+			continue
+		}
+		sum += v
+		found = true
+	}
+	return sum, found
+}
+
+// metric scrapes addr and returns the sum of name's samples, failing t if
+// the metric is absent.
+func metric(t *testing.T, addr, name string, labels ...string) float64 {
+	t.Helper()
+	v, ok := metricSum(scrape(t, addr), name, labels...)
+	if !ok {
+		t.Fatalf("metric %s%v absent from http://%s/metrics", name, labels, addr)
+	}
+	return v
+}
+
+// waitMetric polls the metric name at addr until ok holds of it, failing t
+// after 15 seconds.
+func waitMetric(t *testing.T, addr, name string, ok func(float64) bool, want string) float64 {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		v := metric(t, addr, name)
+		if ok(v) {
+			return v
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s = %v at http://%s/metrics, want %s", name, v, addr, want)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func sha256File(t *testing.T, path string) string {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// firstDiff describes where got and want differ, or returns "".
+func firstDiff(got, want []byte) string {
+	if len(got) != len(want) {
+		return fmt.Sprintf("length %d, want %d", len(got), len(want))
+	}
+	for i := range got {
+		if got[i] != want[i] {
+			j := i
+			for j < len(got) && got[j] != want[j] {
+				j++
+			}
+			n := 0
+			for k := i; k < len(got); k++ {
+				if got[k] != want[k] {
+					n++
+				}
+			}
+			return fmt.Sprintf("%d bytes differ; first run [%d, %d): got % x..., want % x...",
+				n, i, j, got[i:min(j, i+8)], want[i:min(j, i+8)])
+		}
+	}
+	return ""
+}
+
+// randomBytes returns size pseudo-random bytes determined by seed.
+func randomBytes(seed int64, size int) []byte {
+	b := make([]byte, size)
+	x := uint64(seed)*0x9E3779B97F4A7C15 + 1
+	for i := range b {
+		// xorshift64*: deterministic, fast, good enough for test data.
+		x ^= x >> 12
+		x ^= x << 25
+		x ^= x >> 27
+		b[i] = byte((x * 0x2545F4914F6CDD1D) >> 56)
+	}
+	return b
+}
