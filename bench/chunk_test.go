@@ -4,13 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"path/filepath"
 	"sync"
 	"testing"
-
-	"github.com/rblk/rblk/initiator"
-	"github.com/rblk/rblk/target"
-	"github.com/rblk/rblk/transport/tcp"
 )
 
 // BenchmarkChunkSize measures 4 KiB random reads and writes (32 in flight)
@@ -38,30 +33,8 @@ func benchChunk(b *testing.B, chunkSize int, write bool, bs uint64, random bool)
 	if !random {
 		depth = 8
 	}
-	path := filepath.Join(b.TempDir(), "vol.img")
-	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: volSize}},
-		CacheSize: cacheSize, ChunkSize: chunkSize})
-	if err != nil {
-		b.Fatal(err)
-	}
-	p := tcp.New("tcp")
-	ctx, cancel := context.WithCancel(context.Background())
-	l, err := p.Listen(ctx, "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { tg.Serve(ctx, l); close(done) }()
-	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: l.Addr(), Export: "vol"})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer func() {
-		v.Close(context.Background())
-		cancel()
-		<-done
-		tg.Close()
-	}()
+	v := serve(b, chunkSize, volSize, cacheSize)
+	ctx := context.Background()
 	b.SetBytes(int64(bs))
 	b.ResetTimer()
 	var wg sync.WaitGroup

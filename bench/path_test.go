@@ -12,14 +12,14 @@ import (
 	"github.com/rblk/rblk/transport/tcp"
 )
 
-// setup serves a sparse volume from a target over the software provider
-// on loopback and opens it; every chunk the benchmark touches is granted
-// before the timer starts, so the figures are of the steady data path.
-func setup(b *testing.B, chunkSize int, volSize int64) *initiator.Volume {
+// serve starts a target with a sparse volume of volSize bytes over the
+// software provider on loopback, and opens the volume; both are closed when
+// the benchmark ends.
+func serve(b *testing.B, chunkSize int, volSize, cacheSize int64) *initiator.Volume {
 	b.Helper()
 	path := filepath.Join(b.TempDir(), "vol.img")
 	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: volSize}},
-		CacheSize: volSize + 4*int64(chunkSize), ChunkSize: chunkSize})
+		CacheSize: cacheSize, ChunkSize: chunkSize})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -41,7 +41,15 @@ func setup(b *testing.B, chunkSize int, volSize int64) *initiator.Volume {
 		<-done
 		tg.Close()
 	})
-	// Warm: take a grant of every chunk.
+	return v
+}
+
+// setup serves a volume that fits the cache, and takes a grant of every
+// chunk before the timer starts, so the figures are of the steady data path.
+func setup(b *testing.B, chunkSize int, volSize int64) *initiator.Volume {
+	b.Helper()
+	v := serve(b, chunkSize, volSize, volSize+4*int64(chunkSize))
+	ctx := context.Background()
 	buf, _ := v.Alloc(ctx, 4096)
 	for off := uint64(0); off < uint64(volSize); off += uint64(chunkSize) {
 		if err := v.ReadAt(ctx, buf, off); err != nil {
