@@ -1,8 +1,106 @@
 // Package rdma is the transport provider over libibverbs and librdmacm
-// (rdma-core): InfiniBand, RoCE, iWARP and Soft-RoCE.
+// (rdma-core): InfiniBand, RoCE and Soft-RoCE (rxe).
 //
-// This build carries only device discovery and a stub that reports why it
-// cannot connect; the verbs provider itself is to come (its cgo lives in one
-// file behind build tags, with this stub beside it for builds without
-// rdma-core).
+// # Builds
+//
+// The verbs provider needs cgo and the rdma-core headers, so it is opt-in:
+// build with -tags rdma (on linux, with libibverbs-dev and librdmacm-dev
+// installed). Every cgo call lives in the internal package verbs. Without
+// the tag, New fails with an error wrapping transport.ErrUnsupported that
+// says so; Devices, DeviceAddrs and the constants work in both builds.
+// Without any device New fails with transport.ErrNoDevice and what to do.
+//
+// # Connections
+//
+// Listen binds an RDMA CM id (rdma_bind_addr, rdma_listen) to an IP address
+// of an RDMA device's network interface (see DeviceAddrs); Accept delivers
+// each RDMA_CM_EVENT_CONNECT_REQUEST as a transport.ConnRequest, whose id
+// is moved at once to an event channel of its own (rdma_migrate_id), so
+// that connections outlive their listener. ConnRequest.Accept creates the
+// connection's resources, calls rdma_accept and waits for ESTABLISHED;
+// Reject is rdma_reject. Dial is rdma_resolve_addr, rdma_resolve_route,
+// rdma_connect and ESTABLISHED (REJECTED by the peer's application gives a
+// *transport.RejectError with its private data; a port nobody listens on,
+// an unreachable address and the like give errors that name the address).
+// Contexts are honoured throughout. The RNR retry count is 7 (infinite) and
+// each side asks its peer for an RNR NAK timer of 0.64 ms (set with an
+// RTS-to-RTS modify, the RDMA CM leaving 655 ms), so a SEND that comes
+// before its RECV is retried rather than failed.
+//
+// Private data: at most MaxConnectPrivateData (56) bytes with Dial,
+// MaxAcceptPrivateData (196) with Accept and MaxRejectPrivateData (147) with
+// Reject. A peer of the IB CM receives the whole, zero-padded field, so the
+// length travels with the data: one length byte first, or, for data that
+// fills the field of a connect or an accept, the flow-control bit of the
+// connection parameters set and no length byte. Both ends must be this
+// provider.
+//
+// Each connection has its own protection domain (ibv_alloc_pd): a region
+// registered on one can not be reached through another, its own completion
+// queue on its own completion channel, one RC QP (every work request
+// signaled, one SGE each, 64 bytes of inline data when the device has it),
+// and its own RDMA CM event channel. Register is ibv_reg_mr with the mapped
+// access flags; the memory must come from transport.AllocMemory (outside
+// the Go heap): the device keeps its address, which the cgo rules forbid
+// for Go memory, and Register refuses Go heap memory. When the memlock
+// limit is too low, the error says how to raise it.
+//
+// # Completions
+//
+// No OS thread sleeps in C. The fds of the completion channel and of the RDMA
+// CM event channel are non-blocking and waited on through Go's network
+// poller (a duplicate of each registered with os.NewFile; SyscallConn's
+// Read with a function that returns false on EAGAIN). Poll polls up to 64
+// completions with one ibv_poll_cq and keeps those that do not fit the
+// caller's slice for the next call; when the CQ is empty it arms it
+// (ibv_req_notify_cq) and polls again in the same cgo call, then sleeps
+// until the channel is readable, takes the event (ibv_get_cq_event) and
+// acknowledges events 32 at a time. With Options.BusyPoll (or
+// RBLK_RDMA_BUSY_POLL=1) it first spins on ibv_poll_cq, in C, for that long.
+// One goroutine per connection sleeps on the RDMA CM channel for
+// DISCONNECTED, which breaks the connection.
+//
+// PostSend fills work request records in C memory preallocated with the QP
+// (under the send queue's lock, no allocation) and posts a chain of up to
+// 256 with one ibv_post_send; PostRecv likewise. A queue's depth counts
+// what is posted and not yet returned by Poll (ErrQueueFull beyond it), so
+// neither the QP nor the CQ can overflow. Completions are returned in
+// posting order per queue; once the connection is broken, the flushed
+// receives come after the send queue's completions.
+//
+// Local checks are done at post time, as the software provider does: an SGE
+// outside a live region of the connection, or a READ or RECV into a region
+// without local write access, completes with StatusLocalProtectionError in
+// its turn (after the requests before it) and breaks the connection, and
+// the requests after it are flushed. ibv_wc statuses map to
+// transport.Status (a receive's IBV_WC_LOC_QP_OP_ERR, which is how
+// Soft-RoCE reports a SEND longer than the buffer, is a local length
+// error); others are StatusTransportError. VendorErr of a failed completion
+// carries the ibv_wc_status in its top 8 bits and the device's vendor_err
+// below (VendorErrString explains it), and the first failure is logged at
+// warn level with ibv_wc_status_str, and ends the error Poll returns last.
+//
+// A failure breaks the connection with rdma_disconnect: the QP enters the
+// error state and flushes everything outstanding, and the peer gets
+// DISCONNECTED and breaks too. Close disconnects, collects the flush
+// completions (Poll returns them afterwards, then transport.ErrClosed),
+// destroys the QP, after which the device touches no buffer, then the CQ,
+// the completion channel, the regions, the PD, the id and its channel, and
+// waits for its goroutine. Close is safe to call twice.
+//
+// DeviceInfo, on a Conn or a Listener (type-assert to
+// interface{ DeviceInfo() string }), names the device, port and source GID
+// in use and the local address, "rxe0 port 1 gid ::ffff:192.0.2.1
+// 192.0.2.1:7480", for logs.
+//
+// # Tests
+//
+// The tests run transporttest.RunProvider over real connections when a
+// device exists (listening on RBLK_RDMA_ADDR, or the first IPv4 address of
+// the first device's network interface), and skip otherwise. On machines
+// without RDMA hardware, run them in the Soft-RoCE VM:
+//
+//	go test -c -tags rdma -o DIR/rdma.test ./transport/rdma/
+//	go test -c -race -tags rdma -o DIR/rdma-race.test ./transport/rdma/
+//	vm/run.sh transport/rdma/testdata/guest-test.sh DIR
 package rdma

@@ -1,3 +1,5 @@
+//go:build !(linux && cgo && rdma)
+
 package rdma
 
 import (
@@ -6,6 +8,10 @@ import (
 	"github.com/rblk/rblk/transport"
 )
 
-func newProvider(devs []string) (transport.Provider, error) {
-	return nil, fmt.Errorf("RDMA devices %v found, but %w: this build has no verbs provider yet; use --transport tcp", devs, transport.ErrUnsupported)
+// Supported reports whether this build has the verbs provider (the build
+// tag rdma, on linux with cgo).
+const Supported = false
+
+func newProvider(devs []string, _ Options) (transport.Provider, error) {
+	return nil, fmt.Errorf("RDMA devices %v found, but %w: %s; or use --transport tcp", devs, transport.ErrUnsupported, unsupportedHint)
 }

@@ -1,0 +1,1019 @@
+//go:build linux && cgo && rdma
+
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/rdma/internal/verbs"
+)
+
+const (
+	// postChunk is the longest chain posted with one ibv_post_send or
+	// ibv_post_recv; longer ones take several calls.
+	postChunk = 256
+	// pollBatch is the most completions one ibv_poll_cq returns.
+	pollBatch = 64
+	// ackBatch is how many completion events are acknowledged at once.
+	ackBatch = 32
+	// maxInline is the inline data asked of the QP: SENDs and WRITEs up to
+	// that size are copied into the work request at post time.
+	maxInline = 64
+	// flushTimeout bounds how long Close waits for the flush completions
+	// of what is outstanding before it destroys the QP regardless.
+	flushTimeout = 5 * time.Second
+	// maxMessage is the largest message (a limit of the IB spec).
+	maxMessage = 1 << 31
+	// recvBit marks the wr_id of receives.
+	recvBit = 1 << 63
+)
+
+var (
+	errLocalClose = errors.New("closed locally")
+	errPeerClose  = errors.New("disconnected by the peer")
+)
+
+// entry is a posted work request, from its post until its completion is
+// returned by Poll.
+type entry struct {
+	seq  uint64
+	id   uint64
+	op   transport.Opcode
+	hw   bool // posted to the QP, its completion not yet polled
+	done bool // comp is final
+	// synthetic: it failed the checks at post time and never reached the
+	// QP; it completes with its status in its turn.
+	synthetic bool
+	comp      transport.Completion
+}
+
+// ring is a work queue: entries [head, tail) in posting order. Completions
+// of a queue come in posting order, so an entry whose completion is polled
+// is always the oldest one posted to the QP.
+type ring struct {
+	mu     sync.Mutex
+	ents   []entry
+	head   uint64
+	tail   uint64
+	hwOut  int  // entries posted to the QP whose completion is not polled
+	closed bool // Close began: nothing more is posted
+}
+
+func (r *ring) push(id uint64, op transport.Opcode) *entry {
+	e := &r.ents[r.tail%uint64(len(r.ents))]
+	*e = entry{seq: r.tail, id: id, op: op}
+	r.tail++
+	return e
+}
+
+func (r *ring) pushDone(id uint64, op transport.Opcode, st transport.Status) {
+	e := r.push(id, op)
+	e.done, e.synthetic = true, true
+	e.comp = transport.Completion{ID: id, Op: op, Status: st}
+}
+
+// conn is one RC queue pair with its own protection domain, completion
+// queue and completion channel, and its own RDMA CM event channel.
+type conn struct {
+	p   *provider
+	log *zap.Logger
+
+	id  *verbs.CMID
+	ch  *verbs.EventChannel
+	cmw *waiter
+	pd  *verbs.PD
+	cc  *verbs.CompChannel
+	cqw *waiter
+	cq  *verbs.CQ
+	qp  *verbs.QP
+
+	inline    int
+	respRes   uint8
+	initDepth uint8
+	busy      time.Duration
+
+	limits transport.Limits
+	peerPD []byte
+	local  string
+	remote string
+	info   string
+
+	sq ring
+	rq ring
+
+	pollSem chan struct{} // held by Poll and by Close's teardown
+	unacked int           // completion events not acknowledged (pollSem)
+	tryCQ   func(uintptr) bool
+
+	stateMu      sync.Mutex
+	broken       atomic.Bool // nothing more may be posted
+	failed       atomic.Bool // a work request failed: later ones are flushed
+	cause        error
+	disconnected bool
+	destroyed    atomic.Bool // the verbs resources are gone (set under stateMu)
+
+	closeOnce sync.Once
+	closing   atomic.Bool   // Close began: Poll leaves the CQ to it
+	closed    chan struct{} // closed when Close is done
+	cmDone    chan struct{} // closed when the CM goroutine is gone; nil before start
+
+	regMu     sync.Mutex
+	regions   map[*region]struct{}
+	regClosed bool
+}
+
+var _ transport.Conn = (*conn)(nil)
+
+// newConn makes the verbs resources of a conn on id (whose address, and
+// route, are resolved): PD, completion channel, CQ, QP. On failure it
+// destroys what it made, but not id, ch and w.
+func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c *conn, err error) {
+	ctx := id.Context()
+	if ctx == nil {
+		return nil, errors.New("the RDMA CM id is bound to no device")
+	}
+	attr, err := ctx.QueryDevice()
+	if err != nil {
+		return nil, err
+	}
+	o := p.opts
+	sqDepth := min(o.SendQueueDepth, attr.MaxQPWR)
+	rqDepth := min(o.RecvQueueDepth, attr.MaxQPWR)
+	if cqe := sqDepth + rqDepth; cqe > attr.MaxCQE {
+		sqDepth = sqDepth * attr.MaxCQE / cqe
+		rqDepth = attr.MaxCQE - sqDepth
+	}
+	c = &conn{
+		p:         p,
+		log:       p.log,
+		id:        id,
+		ch:        ch,
+		cmw:       w,
+		busy:      o.BusyPoll,
+		respRes:   uint8(max(1, min(o.MaxReadsInFlight, attr.MaxQPRdAtom, 255))),
+		initDepth: uint8(max(1, min(o.MaxReadsInFlight, attr.MaxQPInitRdAtom, 255))),
+		pollSem:   make(chan struct{}, 1),
+		closed:    make(chan struct{}),
+		regions:   make(map[*region]struct{}),
+	}
+	c.tryCQ = c.tryCQEvent
+	c.sq.ents = make([]entry, sqDepth)
+	c.rq.ents = make([]entry, rqDepth)
+	defer func() {
+		if err != nil {
+			c.destroyVerbs()
+		}
+	}()
+	if c.pd, err = ctx.AllocPD(); err != nil {
+		return nil, memlockHint(err)
+	}
+	if c.cc, err = ctx.NewCompChannel(); err != nil {
+		return nil, err
+	}
+	if c.cqw, err = newWaiter(c.cc.Fd(), "rdma-cq"); err != nil {
+		return nil, err
+	}
+	if c.cq, err = ctx.NewCQ(sqDepth+rqDepth, c.cc, pollBatch); err != nil {
+		return nil, memlockHint(err)
+	}
+	want := verbs.QPCaps{SendWR: sqDepth, RecvWR: rqDepth, InlineData: maxInline}
+	chunk := min(postChunk, max(sqDepth, rqDepth))
+	if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
+		want.InlineData = 0
+		if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
+			return nil, memlockHint(err)
+		}
+	}
+	c.inline = c.qp.Caps.InlineData
+	c.limits = transport.Limits{
+		SendQueueDepth:   sqDepth,
+		RecvQueueDepth:   rqDepth,
+		MaxReadsInFlight: int(c.initDepth),
+		MaxPrivateData:   MaxConnectPrivateData,
+	}
+	return c, nil
+}
+
+// start runs the goroutine that watches the RDMA CM events of an
+// established conn.
+func (c *conn) start() {
+	c.local = c.id.LocalAddr().String()
+	c.remote = c.id.PeerAddr().String()
+	c.info = idInfo(c.id)
+	c.log.Debug("rdma connection established", zap.String("device", c.info), zap.String("remote", c.remote),
+		zap.Uint32("qp", c.qp.Num()), zap.Int("send_queue", c.limits.SendQueueDepth),
+		zap.Int("recv_queue", c.limits.RecvQueueDepth), zap.Int("reads_in_flight", c.limits.MaxReadsInFlight),
+		zap.Int("inline", c.inline), zap.Duration("busy_poll", c.busy))
+	c.cmDone = make(chan struct{})
+	go c.cmLoop()
+}
+
+func (c *conn) cmLoop() {
+	defer close(c.cmDone)
+	for {
+		ev, err := waitEvent(context.Background(), c.ch, c.cmw)
+		if err != nil {
+			if !errors.Is(err, errWaiterClosed) {
+				c.breakConn(fmt.Errorf("RDMA CM events: %w", err))
+			}
+			return
+		}
+		switch ev.Type {
+		case verbs.EventDisconnected:
+			c.breakConn(errPeerClose)
+		case verbs.EventDeviceRemoval:
+			c.breakConn(errors.New("RDMA device removed"))
+		case verbs.EventTimewaitExit, verbs.EventAddrChange, verbs.EventEstablished:
+		default:
+			c.log.Debug("rdma connection event", zap.String("remote", c.remote), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+		}
+	}
+}
+
+func (c *conn) PeerPrivateData() []byte  { return bytes.Clone(c.peerPD) }
+func (c *conn) Limits() transport.Limits { return c.limits }
+func (c *conn) LocalAddr() string        { return c.local }
+func (c *conn) RemoteAddr() string       { return c.remote }
+
+// DeviceInfo names the device, port and source GID the connection uses,
+// and its local address: "rxe0 port 1 gid ::ffff:192.0.2.1 192.0.2.1:7480".
+func (c *conn) DeviceInfo() string { return c.info }
+
+// memlockHint explains the ENOMEM and EPERM of pinning memory.
+func memlockHint(err error) error {
+	if !errors.Is(err, syscall.ENOMEM) && !errors.Is(err, syscall.EPERM) {
+		return err
+	}
+	var lim unix.Rlimit
+	cur := "unknown"
+	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil {
+		if lim.Cur == unix.RLIM_INFINITY {
+			cur = "unlimited"
+		} else {
+			cur = fmt.Sprintf("%d KiB", lim.Cur>>10)
+		}
+	}
+	return fmt.Errorf("%w: the memory locked for RDMA exceeds the memlock limit (%s): raise the memlock limit (ulimit -l unlimited, or LimitMEMLOCK=infinity in the systemd unit)", err, cur)
+}
+
+// inGoHeap reports whether p points into an object of the Go heap:
+// runtime.AddCleanup takes a pointer into any heap object, and panics for
+// memory the Go runtime does not manage, such as AllocMemory's mappings.
+func inGoHeap(p *byte) (heap bool) {
+	defer func() {
+		if recover() != nil {
+			heap = false
+		}
+	}()
+	cl := runtime.AddCleanup(p, func(int) {}, 0)
+	cl.Stop()
+	return cl != runtime.Cleanup{}
+}
+
+// Register registers buf with ibv_reg_mr on the conn's protection domain.
+// buf must be outside the Go heap (from transport.AllocMemory): the device
+// keeps its address, which the cgo rules forbid for Go memory.
+func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, error) {
+	const all = transport.AccessLocalWrite | transport.AccessRemoteRead | transport.AccessRemoteWrite
+	switch {
+	case len(buf) == 0:
+		return nil, errors.New("register: empty buffer")
+	case access&^all != 0:
+		return nil, fmt.Errorf("register: unknown access bits %#x", uint32(access&^all))
+	case access&transport.AccessRemoteWrite != 0 && access&transport.AccessLocalWrite == 0:
+		return nil, errors.New("register: remote write access requires local write access")
+	case inGoHeap(&buf[0]):
+		return nil, errors.New("register: the buffer is in the Go heap; RDMA needs memory from transport.AllocMemory")
+	}
+	flags := 0
+	if access&transport.AccessLocalWrite != 0 {
+		flags |= verbs.AccessLocalWrite
+	}
+	if access&transport.AccessRemoteRead != 0 {
+		flags |= verbs.AccessRemoteRead
+	}
+	if access&transport.AccessRemoteWrite != 0 {
+		flags |= verbs.AccessRemoteWrite
+	}
+	c.regMu.Lock()
+	defer c.regMu.Unlock()
+	if c.regClosed {
+		return nil, fmt.Errorf("register: %w", transport.ErrClosed)
+	}
+	mr, err := c.pd.RegMR(unsafe.Pointer(&buf[0]), len(buf), flags)
+	if err != nil {
+		return nil, fmt.Errorf("register %d bytes: %w", len(buf), memlockHint(err))
+	}
+	r := &region{
+		c:      c,
+		buf:    buf,
+		addr:   uint64(uintptr(unsafe.Pointer(&buf[0]))),
+		mr:     mr,
+		lkey:   mr.LKey,
+		rkey:   mr.RKey,
+		access: access,
+	}
+	c.regions[r] = struct{}{}
+	return r, nil
+}
+
+// region is a memory region registered on one conn's protection domain.
+type region struct {
+	c      *conn
+	buf    []byte
+	addr   uint64
+	mr     *verbs.MR // nil once deregistered (c.regMu)
+	lkey   uint32
+	rkey   uint32
+	access transport.Access
+	dead   atomic.Bool
+}
+
+func (r *region) Bytes() []byte            { return r.buf }
+func (r *region) Addr() uint64             { return r.addr }
+func (r *region) LKey() uint32             { return r.lkey }
+func (r *region) RKey() uint32             { return r.rkey }
+func (r *region) Access() transport.Access { return r.access }
+
+func (r *region) Deregister() error {
+	r.dead.Store(true)
+	c := r.c
+	c.regMu.Lock()
+	defer c.regMu.Unlock()
+	if r.mr == nil {
+		return nil
+	}
+	err := r.mr.Dereg()
+	r.mr = nil
+	delete(c.regions, r)
+	if err != nil {
+		return fmt.Errorf("deregister: %w", err)
+	}
+	return nil
+}
+
+// checkLocal checks a local SGE: a live region of this conn, within bounds, with
+// local write access if write. A zero SGE is an empty buffer.
+func (c *conn) checkLocal(s transport.SGE, write bool, w *verbs.WR) transport.Status {
+	if s.Region == nil {
+		if s.Offset == 0 && s.Length == 0 {
+			w.Addr, w.Length, w.LKey = 0, 0, 0
+			return transport.StatusSuccess
+		}
+		return transport.StatusLocalProtectionError
+	}
+	r, ok := s.Region.(*region)
+	if !ok || r == nil || r.c != c || r.dead.Load() {
+		return transport.StatusLocalProtectionError
+	}
+	if write && r.access&transport.AccessLocalWrite == 0 {
+		return transport.StatusLocalProtectionError
+	}
+	if s.Offset < 0 || s.Length < 0 || s.Offset > len(r.buf) || s.Length > len(r.buf)-s.Offset {
+		return transport.StatusLocalProtectionError
+	}
+	if s.Length >= maxMessage {
+		return transport.StatusLocalLengthError
+	}
+	w.Addr = r.addr + uint64(s.Offset)
+	w.Length = uint32(s.Length)
+	w.LKey = r.lkey
+	return transport.StatusSuccess
+}
+
+var wrOpcodes = [...]uint32{
+	transport.OpSend:     verbs.WRSend,
+	transport.OpWrite:    verbs.WRRDMAWrite,
+	transport.OpWriteImm: verbs.WRRDMAWriteImm,
+	transport.OpRead:     verbs.WRRDMARead,
+}
+
+// PostSend posts wrs in order, in chains of up to postChunk work requests
+// per ibv_post_send. A request that fails the local checks (its SGE, its
+// access rights) is not posted: it completes with
+// StatusLocalProtectionError after those before it, and those after it are
+// flushed, as the device would do.
+func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
+	for i := range wrs {
+		switch wrs[i].Op {
+		case transport.OpSend, transport.OpWrite, transport.OpWriteImm, transport.OpRead:
+		default:
+			return fmt.Errorf("post send: invalid opcode %v", wrs[i].Op)
+		}
+	}
+	r := &c.sq
+	r.mu.Lock()
+	if r.closed || c.broken.Load() {
+		r.mu.Unlock()
+		return transport.ErrClosed
+	}
+	if int(r.tail-r.head)+len(wrs) > len(r.ents) {
+		r.mu.Unlock()
+		return transport.ErrQueueFull
+	}
+	buf := c.qp.SendBuf()
+	start := r.tail
+	posted := 0
+	staged := 0
+	var fail error
+	bad := false
+	for i := range wrs {
+		wr := &wrs[i]
+		if bad {
+			r.pushDone(wr.ID, wr.Op, transport.StatusFlushed)
+			continue
+		}
+		w := &buf[staged]
+		if st := c.checkLocal(wr.Local, wr.Op == transport.OpRead, w); st != transport.StatusSuccess {
+			bad = true
+			fail = fmt.Errorf("%v request %d: local buffer refused: %v", wr.Op, wr.ID, st)
+			r.pushDone(wr.ID, wr.Op, st)
+			continue
+		}
+		e := r.push(wr.ID, wr.Op)
+		e.hw = true
+		w.ID = e.seq
+		w.RAddr, w.RKey, w.Imm = wr.RemoteAddr, wr.RKey, wr.Imm
+		w.Opcode = wrOpcodes[wr.Op]
+		w.Flags = verbs.FlagSignaled
+		if wr.Op != transport.OpRead && w.Length > 0 && int(w.Length) <= c.inline {
+			w.Flags |= verbs.FlagInline
+		}
+		staged++
+		if staged == len(buf) {
+			if err := c.postStaged(r, staged, start, &posted); err != nil {
+				return err
+			}
+			staged = 0
+		}
+	}
+	if staged > 0 {
+		if err := c.postStaged(r, staged, start, &posted); err != nil {
+			return err
+		}
+	}
+	r.mu.Unlock()
+	if bad {
+		// The connection breaks when the refused request completes: those
+		// before it may still complete normally.
+		c.markBroken(fail)
+	}
+	return nil
+}
+
+// postStaged posts the n staged requests of the send queue r (r.mu held).
+// If nothing of this PostSend got to the QP, a refusal undoes the whole
+// call (r.mu released) and returns the error; otherwise the requests not
+// posted fail in their turn and break the connection.
+func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) error {
+	k, err := c.qp.PostSend(n)
+	r.hwOut += k
+	if err == nil {
+		*posted += n
+		return nil
+	}
+	if *posted == 0 && k == 0 {
+		r.tail = start
+		r.mu.Unlock()
+		if errors.Is(err, syscall.ENOMEM) {
+			return fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
+		}
+		return fmt.Errorf("post send: %w", err)
+	}
+	// Requests from index posted+k of this call on did not reach the QP.
+	*posted += k
+	first := true
+	for seq := start + uint64(*posted); seq < r.tail; seq++ {
+		e := &r.ents[seq%uint64(len(r.ents))]
+		if !e.hw {
+			continue
+		}
+		e.hw, e.done, e.synthetic = false, true, true
+		st := transport.StatusFlushed
+		if first {
+			st, first = transport.StatusTransportError, false
+		}
+		e.comp = transport.Completion{ID: e.id, Op: e.op, Status: st}
+	}
+	c.log.Warn("rdma: ibv_post_send refused a request; breaking the connection", zap.String("remote", c.remote), zap.Error(err))
+	c.markBroken(fmt.Errorf("post send: %w", err))
+	return nil
+}
+
+// PostRecv posts receives in chains of up to postChunk per ibv_post_recv. A
+// receive whose buffer fails the local checks breaks the connection: it
+// completes with StatusLocalProtectionError after the receives before it
+// are flushed.
+func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
+	r := &c.rq
+	r.mu.Lock()
+	if r.closed || c.broken.Load() {
+		r.mu.Unlock()
+		return transport.ErrClosed
+	}
+	if int(r.tail-r.head)+len(rrs) > len(r.ents) {
+		r.mu.Unlock()
+		return transport.ErrQueueFull
+	}
+	buf := c.qp.RecvBuf()
+	start := r.tail
+	staged, posted := 0, 0
+	var fail error
+	post := func() error {
+		k, err := c.qp.PostRecv(staged)
+		r.hwOut += k
+		if err == nil {
+			posted += staged
+			return nil
+		}
+		if posted == 0 && k == 0 {
+			r.tail = start
+			if errors.Is(err, syscall.ENOMEM) {
+				return fmt.Errorf("post recv: %w (%v)", transport.ErrQueueFull, err)
+			}
+			return fmt.Errorf("post recv: %w", err)
+		}
+		posted += k
+		for seq := start + uint64(posted); seq < r.tail; seq++ {
+			e := &r.ents[seq%uint64(len(r.ents))]
+			if e.hw {
+				e.hw, e.done, e.synthetic = false, true, true
+				e.comp = transport.Completion{ID: e.id, Op: transport.OpRecv, Status: transport.StatusFlushed}
+			}
+		}
+		if fail == nil {
+			fail = fmt.Errorf("post recv: %w", err)
+		}
+		return nil
+	}
+	for i := range rrs {
+		rr := &rrs[i]
+		w := &buf[staged]
+		if st := c.checkLocal(rr.Local, true, w); st != transport.StatusSuccess {
+			r.pushDone(rr.ID, transport.OpRecv, st)
+			if fail == nil {
+				fail = fmt.Errorf("receive %d: local buffer refused: %v", rr.ID, st)
+			}
+			continue
+		}
+		e := r.push(rr.ID, transport.OpRecv)
+		e.hw = true
+		w.ID = e.seq | recvBit
+		staged++
+		if staged == len(buf) {
+			if err := post(); err != nil {
+				r.mu.Unlock()
+				return err
+			}
+			staged = 0
+		}
+	}
+	if staged > 0 {
+		if err := post(); err != nil {
+			r.mu.Unlock()
+			return err
+		}
+	}
+	r.mu.Unlock()
+	if fail != nil {
+		// The receives before it are flushed now, as a device flushes the
+		// receive queue of a QP that breaks.
+		c.breakConn(fail)
+	}
+	return nil
+}
+
+// markBroken stops posting without breaking the QP yet: a request refused
+// at post time breaks it when it completes, after those before it.
+func (c *conn) markBroken(cause error) {
+	c.stateMu.Lock()
+	if c.cause == nil {
+		c.cause = cause
+	}
+	c.broken.Store(true)
+	c.stateMu.Unlock()
+	c.cqw.kick()
+}
+
+// breakConn breaks the connection: the QP moves to the error state, which
+// flushes every outstanding work request, and the peer is told
+// (rdma_disconnect); a Poll waiting is woken.
+func (c *conn) breakConn(cause error) {
+	c.stateMu.Lock()
+	if c.cause == nil {
+		c.cause = cause
+	}
+	c.broken.Store(true)
+	if !c.disconnected && !c.destroyed.Load() {
+		c.disconnected = true
+		if err := c.id.Disconnect(); err != nil {
+			c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
+		}
+	}
+	c.stateMu.Unlock()
+	c.cqw.kick()
+}
+
+// mapStatus maps an ibv_wc_status.
+func mapStatus(s uint32) transport.Status {
+	switch s {
+	case verbs.WCSuccess:
+		return transport.StatusSuccess
+	case verbs.WCLocLenErr:
+		return transport.StatusLocalLengthError
+	case verbs.WCLocProtErr:
+		return transport.StatusLocalProtectionError
+	case verbs.WCRemAccessErr:
+		return transport.StatusRemoteAccessError
+	case verbs.WCRemInvReqErr:
+		return transport.StatusRemoteInvalidRequest
+	case verbs.WCRNRRetryExcErr:
+		return transport.StatusRNRRetryExceeded
+	case verbs.WCWRFlushErr:
+		return transport.StatusFlushed
+	}
+	return transport.StatusTransportError
+}
+
+// complete records the k completions just polled into the entries of their
+// work requests (pollSem held).
+func (c *conn) complete(k int) {
+	var failure error
+	flushed := false
+	c.sq.mu.Lock()
+	c.rq.mu.Lock()
+	for _, wc := range c.cq.WCs()[:k] {
+		r := &c.sq
+		if wc.ID&recvBit != 0 {
+			r = &c.rq
+		}
+		seq := wc.ID &^ recvBit
+		e := &r.ents[seq%uint64(len(r.ents))]
+		if e.seq != seq || !e.hw {
+			c.log.Error("rdma: completion of an unknown work request", zap.Uint64("wr_id", wc.ID), zap.Uint32("status", wc.Status))
+			continue
+		}
+		comp := transport.Completion{ID: e.id, Op: e.op, Status: mapStatus(wc.Status)}
+		if r == &c.rq {
+			comp.Op = transport.OpRecv
+			if wc.Status == verbs.WCLocQPOpErr {
+				// Soft-RoCE reports a SEND longer than the receive buffer
+				// so; the SGE of a receive is checked at post time, so the
+				// length is what can be wrong with it.
+				comp.Status = transport.StatusLocalLengthError
+			}
+			if comp.Status == transport.StatusSuccess {
+				comp.ByteLen = int(wc.ByteLen)
+				if wc.Opcode == verbs.WCRecvRDMAWithImm {
+					comp.Op = transport.OpRecvWriteImm
+					comp.Imm = wc.Imm
+				}
+			}
+		}
+		switch comp.Status {
+		case transport.StatusSuccess:
+		case transport.StatusFlushed:
+			flushed = true
+		default:
+			comp.VendorErr = wc.Status<<24 | wc.VendorErr&0xffffff
+			if failure == nil && !c.failed.Load() {
+				failure = fmt.Errorf("%v request %d failed: %v (%s, vendor_err %#x)", comp.Op, comp.ID, comp.Status, verbs.StatusString(wc.Status), wc.VendorErr)
+				c.log.Warn("rdma work request failed", zap.String("remote", c.remote), zap.Stringer("op", comp.Op),
+					zap.Uint64("id", comp.ID), zap.String("status", verbs.StatusString(wc.Status)), zap.Uint32("vendor_err", wc.VendorErr))
+			}
+		}
+		e.comp = comp
+		e.hw, e.done = false, true
+		r.hwOut--
+	}
+	c.rq.mu.Unlock()
+	c.sq.mu.Unlock()
+	if failure != nil {
+		c.failed.Store(true)
+		c.breakConn(failure)
+	} else if flushed && !c.broken.Load() {
+		c.breakConn(errors.New("work requests flushed: the queue pair is in the error state"))
+	}
+}
+
+// emit moves the completions that are final, oldest first, from the queues
+// into out. Once the connection is broken, the receives it flushed come
+// after every completion of the send queue, whatever the order the device
+// reported them in.
+func (c *conn) emit(out []transport.Completion) int {
+	n := 0
+	var refused error
+	sendsLeft := false
+	for _, r := range [2]*ring{&c.sq, &c.rq} {
+		r.mu.Lock()
+		for n < len(out) && r.head < r.tail {
+			e := &r.ents[r.head%uint64(len(r.ents))]
+			if !e.done {
+				break
+			}
+			if r == &c.rq && sendsLeft && e.comp.Status == transport.StatusFlushed {
+				break
+			}
+			comp := e.comp
+			if e.synthetic && comp.Status != transport.StatusFlushed {
+				// A request refused at post time: flushed if the
+				// connection failed before its turn, else it is the
+				// failure that breaks it now.
+				if c.failed.Swap(true) {
+					comp.Status = transport.StatusFlushed
+				} else if refused == nil {
+					refused = fmt.Errorf("%v request %d: %v", comp.Op, comp.ID, comp.Status)
+				}
+			}
+			out[n] = comp
+			n++
+			*e = entry{}
+			r.head++
+		}
+		if r == &c.sq {
+			sendsLeft = r.head < r.tail
+		}
+		r.mu.Unlock()
+	}
+	if refused != nil {
+		c.breakConn(refused)
+	}
+	return n
+}
+
+// finished reports whether the connection is broken and every completion
+// was returned.
+func (c *conn) finished() bool {
+	if !c.broken.Load() {
+		return false
+	}
+	c.sq.mu.Lock()
+	empty := c.sq.head == c.sq.tail
+	c.sq.mu.Unlock()
+	c.rq.mu.Lock()
+	empty = empty && c.rq.head == c.rq.tail
+	c.rq.mu.Unlock()
+	return empty
+}
+
+func (c *conn) closedErr() error {
+	c.stateMu.Lock()
+	cause := c.cause
+	c.stateMu.Unlock()
+	if cause == nil || cause == errLocalClose {
+		return transport.ErrClosed
+	}
+	return fmt.Errorf("%w: %v", transport.ErrClosed, cause)
+}
+
+// tryCQEvent consumes a completion event if one is queued (pollSem held).
+func (c *conn) tryCQEvent(uintptr) bool {
+	ok, err := c.cc.GetEvent()
+	if err != nil {
+		c.log.Error("rdma: ibv_get_cq_event", zap.Error(err))
+		return true
+	}
+	if ok {
+		c.unacked++
+		if c.unacked >= ackBatch {
+			c.cq.AckEvents(c.unacked)
+			c.unacked = 0
+		}
+	}
+	return ok
+}
+
+// pollCQ polls a batch of completions (pollSem held) and records them in
+// their work requests, where emit finds them: a caller that takes fewer at
+// a time gets the rest without another ibv_poll_cq. With arm, an empty CQ
+// is armed and polled again.
+func (c *conn) pollCQ(arm bool) int {
+	k, err := c.cq.Poll(pollBatch, arm)
+	if err != nil {
+		c.breakConn(err)
+		return 0
+	}
+	if k > 0 {
+		c.complete(k)
+	}
+	return k
+}
+
+// Poll returns completions, oldest first per queue. When none is ready it
+// optionally spins on the CQ (Options.BusyPoll), then arms the CQ, polls
+// once more, and sleeps on the completion channel through Go's poller.
+func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	if err := c.acquirePoll(ctx); err != nil {
+		return 0, err
+	}
+	held := true
+	defer func() {
+		if held {
+			<-c.pollSem
+		}
+	}()
+	spun := false
+	for {
+		gen := c.cqw.gen.Load()
+		if n := c.emit(out); n > 0 {
+			return n, nil
+		}
+		alive := !c.destroyed.Load()
+		// Without busy polling, an empty CQ is armed in the same call, and
+		// polled again after that.
+		arm := c.busy <= 0 || spun
+		if alive && c.pollCQ(arm) > 0 {
+			continue
+		}
+		if c.finished() || !alive {
+			return 0, c.closedErr()
+		}
+		if c.closing.Load() {
+			// Close collects the flush completions and destroys the QP;
+			// what it collected is returned after it.
+			<-c.pollSem
+			held = false
+			select {
+			case <-c.closed:
+			case <-ctx.Done():
+				return 0, ctx.Err()
+			}
+			if err := c.acquirePoll(ctx); err != nil {
+				return 0, err
+			}
+			held = true
+			continue
+		}
+		if !arm {
+			spun = true
+			k, err := c.cq.PollSpin(pollBatch, c.busy)
+			if err == nil && k > 0 {
+				c.complete(k)
+			}
+			continue
+		}
+		err := c.cqw.wait(ctx, gen, c.tryCQ)
+		switch {
+		case err == nil, errors.Is(err, errKicked):
+			spun = false
+		case errors.Is(err, errWaiterClosed):
+			return 0, c.closedErr()
+		default:
+			return 0, err
+		}
+	}
+}
+
+// acquirePoll takes pollSem, or gives up when ctx ends.
+func (c *conn) acquirePoll(ctx context.Context) error {
+	select {
+	case c.pollSem <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case c.pollSem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Close disconnects (the QP flushes what is outstanding), collects the
+// flush completions for Poll, destroys the QP, so that the device touches
+// no buffer any more, and then the rest.
+func (c *conn) Close() error {
+	c.closeOnce.Do(func() {
+		for _, r := range [2]*ring{&c.sq, &c.rq} {
+			r.mu.Lock()
+			r.closed = true
+			r.mu.Unlock()
+		}
+		c.closing.Store(true)
+		c.breakConn(errLocalClose)
+		c.pollSem <- struct{}{}
+		c.drainFlushes()
+		c.teardown()
+		<-c.pollSem
+		close(c.closed)
+	})
+	return nil
+}
+
+// drainFlushes polls until every request posted to the QP has completed,
+// or flushTimeout passed (pollSem held).
+func (c *conn) drainFlushes() {
+	deadline := time.Now().Add(flushTimeout)
+	for {
+		c.sq.mu.Lock()
+		c.rq.mu.Lock()
+		left := c.sq.hwOut + c.rq.hwOut
+		c.rq.mu.Unlock()
+		c.sq.mu.Unlock()
+		if left == 0 {
+			return
+		}
+		gen := c.cqw.gen.Load()
+		if c.pollCQ(true) > 0 {
+			continue
+		}
+		if time.Now().After(deadline) {
+			c.log.Warn("rdma close: work requests not flushed in time; destroying the QP", zap.String("remote", c.remote), zap.Int("outstanding", left))
+			return
+		}
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		c.cqw.wait(ctx, gen, c.tryCQ)
+		cancel()
+	}
+}
+
+// teardown destroys everything in order (pollSem held, or the conn was
+// never started): the QP first, then the CQ and its channel, the regions,
+// the PD, the id and its channel. Requests still outstanding complete as
+// flushed.
+func (c *conn) teardown() {
+	c.stateMu.Lock()
+	c.destroyed.Store(true)
+	c.broken.Store(true)
+	c.stateMu.Unlock()
+	c.cmw.close()
+	if c.cmDone != nil {
+		<-c.cmDone
+	}
+	c.destroyVerbs()
+	for _, r := range [2]*ring{&c.sq, &c.rq} {
+		r.mu.Lock()
+		r.closed = true
+		for seq := r.head; seq < r.tail; seq++ {
+			e := &r.ents[seq%uint64(len(r.ents))]
+			if e.hw {
+				e.hw, e.done = false, true
+				op := e.op
+				if r == &c.rq {
+					op = transport.OpRecv
+				}
+				e.comp = transport.Completion{ID: e.id, Op: op, Status: transport.StatusFlushed}
+			}
+		}
+		r.hwOut = 0
+		r.mu.Unlock()
+	}
+	if err := c.id.Destroy(); err != nil {
+		c.log.Warn("rdma close", zap.Error(err))
+	}
+	c.ch.Destroy()
+}
+
+// destroyVerbs destroys the verbs resources of newConn, in order.
+func (c *conn) destroyVerbs() {
+	if c.qp != nil {
+		c.qp.Destroy()
+	}
+	if c.cq != nil {
+		c.cq.AckEvents(c.unacked)
+		c.unacked = 0
+		if err := c.cq.Destroy(); err != nil {
+			c.log.Warn("rdma close", zap.Error(err))
+		}
+	}
+	if c.cqw != nil {
+		c.cqw.close()
+	}
+	if c.cc != nil {
+		if err := c.cc.Destroy(); err != nil {
+			c.log.Warn("rdma close", zap.Error(err))
+		}
+	}
+	c.regMu.Lock()
+	c.regClosed = true
+	for r := range c.regions {
+		if err := r.mr.Dereg(); err != nil {
+			c.log.Warn("rdma close", zap.Error(err))
+		}
+		r.mr = nil
+		r.dead.Store(true)
+	}
+	clear(c.regions)
+	c.regMu.Unlock()
+	if c.pd != nil {
+		if err := c.pd.Dealloc(); err != nil {
+			c.log.Warn("rdma close", zap.Error(err))
+		}
+	}
+}

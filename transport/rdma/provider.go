@@ -1,0 +1,575 @@
+//go:build linux && cgo && rdma
+
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/rdma/internal/verbs"
+)
+
+// Supported reports whether this build has the verbs provider (the build
+// tag rdma, on linux with cgo).
+const Supported = true
+
+// listenBacklog is the backlog of rdma_listen.
+const listenBacklog = 128
+
+// rnrRetryInfinite makes a SEND that finds no RECV posted retry forever.
+const rnrRetryInfinite = 7
+
+// minRNRTimer is the RNR NAK timer asked of the peer (0.64 ms); the RDMA CM
+// leaves 0, which means 655 ms.
+const minRNRTimer = 12
+
+// rejectConsumerDefined is the IB CM reject reason of rdma_reject.
+const rejectConsumerDefined = 28
+
+type provider struct {
+	opts Options
+	log  *zap.Logger
+}
+
+func newProvider(devs []string, opts Options) (transport.Provider, error) {
+	// Opening an event channel opens /dev/infiniband/rdma_cm: fail now, with
+	// the reason, rather than at the first Listen or Dial.
+	ch, err := verbs.NewEventChannel()
+	if err != nil {
+		return nil, fmt.Errorf("RDMA devices %v found, but the RDMA CM is unusable (modprobe rdma_ucm; check /dev/infiniband/rdma_cm): %w", devs, err)
+	}
+	ch.Destroy()
+	return &provider{opts: opts, log: opts.Logger}, nil
+}
+
+func (p *provider) Name() string { return "rdma" }
+
+// resolve parses host:port; an empty host is the IPv4 wildcard when
+// listening.
+func resolve(ctx context.Context, addr string, listen bool) (netip.AddrPort, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	pn, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		n, lerr := net.DefaultResolver.LookupPort(ctx, "tcp", port)
+		if lerr != nil {
+			return netip.AddrPort{}, fmt.Errorf("port %q: %w", port, lerr)
+		}
+		pn = uint64(n)
+	}
+	if host == "" {
+		if !listen {
+			return netip.AddrPort{}, fmt.Errorf("address %q has no host", addr)
+		}
+		return netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(pn)), nil
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return netip.AddrPortFrom(ip.Unmap().WithZone(""), uint16(pn)), nil
+	}
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	best := ips[0]
+	for _, ip := range ips {
+		if ip.Unmap().Is4() {
+			best = ip
+			break
+		}
+	}
+	return netip.AddrPortFrom(best.Unmap(), uint16(pn)), nil
+}
+
+// encodePrivateData frames private data for a CM message whose private data
+// field has capacity bytes. The receiver of an IB/RoCE CM message gets the
+// whole field, zero-padded, so the length travels too: a length byte before
+// the data, or, for data that fills the field, the flow-control bit of the
+// connect/accept parameters (which the RDMA CM carries through and nothing
+// else uses) and no length byte.
+func encodePrivateData(pd []byte, capacity int) (enc []byte, flow uint8) {
+	if len(pd) == capacity {
+		return pd, 1
+	}
+	enc = make([]byte, 1+len(pd))
+	enc[0] = byte(len(pd))
+	copy(enc[1:], pd)
+	return enc, 0
+}
+
+func decodePrivateData(b []byte, flow uint8, capacity int) ([]byte, error) {
+	if flow&1 != 0 {
+		return bytes.Clone(b[:min(len(b), capacity)]), nil
+	}
+	if len(b) == 0 {
+		return nil, nil
+	}
+	n := int(b[0])
+	if n > len(b)-1 {
+		return nil, fmt.Errorf("malformed private data: length %d in %d bytes", n, len(b))
+	}
+	return bytes.Clone(b[1 : 1+n]), nil
+}
+
+// idInfo describes the device, port and GID an id uses, and its address.
+func idInfo(id *verbs.CMID) string {
+	gid := id.SGID()
+	return fmt.Sprintf("%s port %d gid %s %s", id.DeviceName(), id.Port(), netip.AddrFrom16(gid), id.LocalAddr())
+}
+
+// Listen binds an RDMA CM id to addr and listens.
+func (p *provider) Listen(ctx context.Context, addr string) (transport.Listener, error) {
+	l, err := p.listen(ctx, addr)
+	if err != nil {
+		return nil, fmt.Errorf("rdma listen %s: %w", addr, err)
+	}
+	return l, nil
+}
+
+func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
+	ap, err := resolve(ctx, addr, true)
+	if err != nil {
+		return nil, err
+	}
+	ch, err := verbs.NewEventChannel()
+	if err != nil {
+		return nil, err
+	}
+	w, err := newWaiter(ch.Fd(), "rdma-cm-listener")
+	if err != nil {
+		ch.Destroy()
+		return nil, err
+	}
+	id, err := verbs.NewID(ch)
+	if err == nil {
+		if err = id.Bind(ap); err != nil {
+			if errors.Is(err, syscall.EADDRNOTAVAIL) || errors.Is(err, syscall.ENODEV) {
+				err = fmt.Errorf("%w (no RDMA device has the address %s: use the address of an RDMA device's network interface)", err, ap.Addr())
+			}
+		} else {
+			err = id.Listen(listenBacklog)
+		}
+		if err != nil {
+			id.Destroy()
+		}
+	}
+	if err != nil {
+		w.close()
+		ch.Destroy()
+		return nil, err
+	}
+	l := &listener{p: p, ch: ch, w: w, id: id, sem: make(chan struct{}, 1), done: make(chan struct{})}
+	l.addr = id.LocalAddr().String()
+	if id.DeviceName() != "" {
+		l.info = idInfo(id)
+	} else {
+		l.info = "any device " + l.addr
+	}
+	p.log.Debug("rdma listening", zap.String("addr", l.addr), zap.String("device", l.info))
+	return l, nil
+}
+
+type listener struct {
+	p      *provider
+	ch     *verbs.EventChannel
+	w      *waiter
+	id     *verbs.CMID
+	addr   string
+	info   string
+	sem    chan struct{} // held by Accept, and by Close for good
+	done   chan struct{} // closed when Close is done
+	closed atomic.Bool
+	once   sync.Once
+}
+
+var _ transport.Listener = (*listener)(nil)
+
+func (l *listener) Addr() string { return l.addr }
+
+// DeviceInfo names the device, port and GID the listener is bound to, and
+// its address: "rxe0 port 1 gid ::ffff:192.0.2.1 192.0.2.1:7480".
+func (l *listener) DeviceInfo() string { return l.info }
+
+func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
+	if l.closed.Load() {
+		return nil, transport.ErrClosed
+	}
+	select {
+	case l.sem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-l.done:
+		return nil, transport.ErrClosed
+	}
+	defer func() { <-l.sem }()
+	for {
+		if l.closed.Load() {
+			return nil, transport.ErrClosed
+		}
+		ev, err := waitEvent(ctx, l.ch, l.w)
+		if err != nil {
+			if errors.Is(err, errWaiterClosed) || l.closed.Load() {
+				return nil, transport.ErrClosed
+			}
+			if ctx.Err() != nil {
+				return nil, err
+			}
+			return nil, fmt.Errorf("rdma accept on %s: %w", l.addr, err)
+		}
+		if ev.Type != verbs.EventConnectRequest {
+			l.p.log.Debug("rdma listener event", zap.String("addr", l.addr), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+			if ev.Type == verbs.EventDeviceRemoval {
+				return nil, fmt.Errorf("rdma accept on %s: device removed: %w", l.addr, transport.ErrClosed)
+			}
+			continue
+		}
+		req, err := l.request(ev)
+		if err != nil {
+			l.p.log.Warn("rdma connect request dropped", zap.String("addr", l.addr), zap.Error(err))
+			continue
+		}
+		return req, nil
+	}
+}
+
+// request moves the id of a connect request to an event channel of its
+// own, so that the connection outlives the listener.
+func (l *listener) request(ev verbs.Event) (*connReq, error) {
+	id := ev.ID
+	fail := func(err error) (*connReq, error) {
+		id.Reject(nil)
+		id.Destroy()
+		return nil, err
+	}
+	pd, err := decodePrivateData(ev.Conn.PrivateData, ev.Conn.FlowControl, MaxConnectPrivateData)
+	if err != nil {
+		return fail(err)
+	}
+	ch, err := verbs.NewEventChannel()
+	if err != nil {
+		return fail(err)
+	}
+	if err := id.Migrate(ch); err != nil {
+		ch.Destroy()
+		return fail(err)
+	}
+	w, err := newWaiter(ch.Fd(), "rdma-cm-conn")
+	if err != nil {
+		id.Reject(nil)
+		id.Destroy()
+		ch.Destroy()
+		return nil, err
+	}
+	return &connReq{
+		p:      l.p,
+		id:     id,
+		ch:     ch,
+		w:      w,
+		pd:     pd,
+		param:  ev.Conn,
+		remote: id.PeerAddr().String(),
+	}, nil
+}
+
+func (l *listener) Close() error {
+	l.once.Do(func() {
+		l.closed.Store(true)
+		l.w.close() // a blocked Accept returns
+		l.sem <- struct{}{}
+		// Connect requests not yet taken are destroyed (and rejected) with
+		// the listening id.
+		if err := l.id.Destroy(); err != nil {
+			l.p.log.Warn("rdma listener close", zap.String("addr", l.addr), zap.Error(err))
+		}
+		l.ch.Destroy()
+		close(l.done)
+	})
+	return nil
+}
+
+// connReq is a connect request with its own event channel.
+type connReq struct {
+	p      *provider
+	id     *verbs.CMID
+	ch     *verbs.EventChannel
+	w      *waiter
+	pd     []byte
+	param  verbs.ConnParam
+	remote string
+
+	mu    sync.Mutex
+	state string // "" while pending, then what became of it
+}
+
+var _ transport.ConnRequest = (*connReq)(nil)
+
+func (r *connReq) PrivateData() []byte { return bytes.Clone(r.pd) }
+func (r *connReq) RemoteAddr() string  { return r.remote }
+
+// release destroys what the request owns, when no conn took it over.
+func (r *connReq) release() {
+	r.w.close()
+	r.id.Destroy()
+	r.ch.Destroy()
+}
+
+func (r *connReq) Reject(privateData []byte) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state != "" {
+		return fmt.Errorf("reject %s: request already %s", r.remote, r.state)
+	}
+	if len(privateData) > MaxRejectPrivateData {
+		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
+	}
+	r.state = "rejected"
+	enc, _ := encodePrivateData(privateData, MaxRejectPrivateData+1)
+	err := r.id.Reject(enc)
+	r.release()
+	if err != nil {
+		return fmt.Errorf("reject %s: %w", r.remote, err)
+	}
+	return nil
+}
+
+func (r *connReq) Accept(ctx context.Context, privateData []byte) (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state != "" {
+		return nil, fmt.Errorf("accept %s: request already %s", r.remote, r.state)
+	}
+	if len(privateData) > MaxAcceptPrivateData {
+		return nil, fmt.Errorf("accept %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxAcceptPrivateData)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	r.state = "accepted"
+	c, err := r.accept(ctx, privateData)
+	if err != nil {
+		r.state = "failed"
+		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("accept %s: %w", r.remote, err)
+	}
+	return c, nil
+}
+
+func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error) {
+	c, err := newConn(r.p, r.id, r.ch, r.w)
+	if err != nil {
+		r.id.Reject(nil)
+		r.release()
+		return nil, err
+	}
+	// What the peer's request says it issues and serves, seen from here.
+	resp := min(c.respRes, max(r.param.ResponderResources, 1))
+	init := min(c.initDepth, max(r.param.InitiatorDepth, 1))
+	c.limits.MaxReadsInFlight = int(init)
+	c.peerPD = r.pd
+	enc, flow := encodePrivateData(privateData, MaxAcceptPrivateData)
+	err = r.id.Accept(verbs.ConnParam{
+		PrivateData:        enc,
+		ResponderResources: resp,
+		InitiatorDepth:     init,
+		FlowControl:        flow,
+		RetryCount:         7,
+		RNRRetryCount:      rnrRetryInfinite,
+	})
+	if err != nil {
+		c.teardown()
+		return nil, err
+	}
+	// The QP is ready to receive: ask the peer to retry a SEND that comes
+	// before its RECV soon rather than after 655 ms.
+	if err := c.qp.SetMinRNRTimer(minRNRTimer); err != nil {
+		c.log.Debug("rdma: min RNR timer not set", zap.Error(err))
+	}
+	for {
+		ev, err := waitEvent(ctx, r.ch, r.w)
+		if err != nil {
+			c.teardown()
+			return nil, err
+		}
+		switch ev.Type {
+		case verbs.EventEstablished:
+			c.start()
+			return c, nil
+		case verbs.EventRejected, verbs.EventConnectError, verbs.EventUnreachable, verbs.EventDisconnected, verbs.EventDeviceRemoval:
+			c.teardown()
+			return nil, fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
+		}
+	}
+}
+
+// Dial connects to addr through the RDMA CM.
+func (p *provider) Dial(ctx context.Context, addr string, privateData []byte) (transport.Conn, error) {
+	c, err := p.dial(ctx, addr, privateData)
+	if err != nil {
+		return nil, fmt.Errorf("rdma dial %s: %w", addr, err)
+	}
+	return c, nil
+}
+
+// cmWait waits for an event of a dialing id, any but the ones to ignore.
+func cmWait(ctx context.Context, ch *verbs.EventChannel, w *waiter) (verbs.Event, error) {
+	for {
+		ev, err := waitEvent(ctx, ch, w)
+		if err != nil || (ev.Type != verbs.EventAddrChange && ev.Type != verbs.EventTimewaitExit) {
+			return ev, err
+		}
+	}
+}
+
+func statusErr(status int) error {
+	if status < 0 {
+		return syscall.Errno(-status)
+	}
+	return fmt.Errorf("status %d", status)
+}
+
+func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*conn, error) {
+	if len(privateData) > MaxConnectPrivateData {
+		return nil, fmt.Errorf("private data of %d bytes exceeds %d", len(privateData), MaxConnectPrivateData)
+	}
+	ap, err := resolve(ctx, addr, false)
+	if err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	ch, err := verbs.NewEventChannel()
+	if err != nil {
+		return nil, err
+	}
+	w, err := newWaiter(ch.Fd(), "rdma-cm-conn")
+	if err != nil {
+		ch.Destroy()
+		return nil, err
+	}
+	id, err := verbs.NewID(ch)
+	if err != nil {
+		w.close()
+		ch.Destroy()
+		return nil, err
+	}
+	var c *conn
+	ok := false
+	defer func() {
+		if ok {
+			return
+		}
+		if c != nil {
+			c.teardown() // destroys id, ch and w too
+			return
+		}
+		w.close()
+		id.Destroy()
+		ch.Destroy()
+	}()
+
+	timeout := p.opts.ResolveTimeout
+	if d, ok := ctx.Deadline(); ok {
+		timeout = min(timeout, max(time.Until(d), time.Millisecond))
+	}
+	if err := id.ResolveAddr(ap, timeout); err != nil {
+		return nil, err
+	}
+	ev, err := cmWait(ctx, ch, w)
+	if err != nil {
+		return nil, err
+	}
+	if ev.Type != verbs.EventAddrResolved {
+		return nil, fmt.Errorf("rdma_resolve_addr %s: %v: %w (is %s the address of an RDMA device's network interface, and reachable?)", ap, ev.Type, statusErr(ev.Status), ap.Addr())
+	}
+	if err := id.ResolveRoute(timeout); err != nil {
+		return nil, err
+	}
+	if ev, err = cmWait(ctx, ch, w); err != nil {
+		return nil, err
+	}
+	if ev.Type != verbs.EventRouteResolved {
+		return nil, fmt.Errorf("rdma_resolve_route %s: %v: %w", ap, ev.Type, statusErr(ev.Status))
+	}
+	if c, err = newConn(p, id, ch, w); err != nil {
+		return nil, err
+	}
+	enc, flow := encodePrivateData(privateData, MaxConnectPrivateData)
+	err = id.Connect(verbs.ConnParam{
+		PrivateData:        enc,
+		ResponderResources: c.respRes,
+		InitiatorDepth:     c.initDepth,
+		FlowControl:        flow,
+		RetryCount:         7,
+		RNRRetryCount:      rnrRetryInfinite,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w (to %s)", err, ap)
+	}
+	if ev, err = cmWait(ctx, ch, w); err != nil {
+		return nil, err
+	}
+	switch ev.Type {
+	case verbs.EventEstablished:
+	case verbs.EventRejected:
+		if ev.Status == rejectConsumerDefined {
+			pd, err := decodePrivateData(ev.Conn.PrivateData, 0, MaxRejectPrivateData+1)
+			if err != nil {
+				pd = nil
+			}
+			return nil, &transport.RejectError{PrivateData: pd}
+		}
+		return nil, fmt.Errorf("rdma_connect %s: rejected by the peer's connection manager (%s): %w", ap, rejectReason(ev.Status), syscall.ECONNREFUSED)
+	default:
+		return nil, fmt.Errorf("rdma_connect %s: %v: %w", ap, ev.Type, statusErr(ev.Status))
+	}
+	pd, err := decodePrivateData(ev.Conn.PrivateData, ev.Conn.FlowControl, MaxAcceptPrivateData)
+	if err != nil {
+		return nil, err
+	}
+	c.peerPD = pd
+	c.limits.MaxReadsInFlight = int(c.initDepth)
+	if d := ev.Conn.InitiatorDepth; d > 0 && d < c.initDepth {
+		c.limits.MaxReadsInFlight = int(d)
+	}
+	if err := c.qp.SetMinRNRTimer(minRNRTimer); err != nil {
+		c.log.Debug("rdma: min RNR timer not set", zap.Error(err))
+	}
+	c.start()
+	ok = true
+	return c, nil
+}
+
+// rejectReason names the IB CM reject reasons seen when nobody accepts.
+func rejectReason(status int) string {
+	switch status {
+	case 1:
+		return "no QP available"
+	case 2:
+		return "no EE context available"
+	case 3:
+		return "no resources"
+	case 4:
+		return "timeout"
+	case 8:
+		return "invalid service ID: nothing listens on that port"
+	case 28:
+		return "rejected by the application"
+	}
+	return fmt.Sprintf("reason %d", status)
+}
