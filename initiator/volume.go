@@ -159,8 +159,12 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	v.info = s.info
 	v.sess = s
 	v.m.sessions.Set(1)
+	transportInfo := opts.Provider.Name()
+	if di, ok := s.link.Conn().(interface{ DeviceInfo() string }); ok {
+		transportInfo += ": " + di.DeviceInfo() // device, port, GID, addresses
+	}
 	v.log.Info("volume opened", zap.String("export", opts.Export), zap.String("target", opts.Target),
-		zap.String("transport", opts.Provider.Name()), zap.Uint64("size", v.info.VolumeSize),
+		zap.String("transport", transportInfo), zap.Uint64("size", v.info.VolumeSize),
 		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()))
 	go v.supervise(s)
 	return v, nil

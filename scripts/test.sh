@@ -7,8 +7,11 @@
 # check and keeps going after a failure, so one run shows them all:
 #
 #   build, gofmt, go vet, staticcheck, unit tests (-race), the end-to-end
-#   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), and
-#   every fuzz target of protocol/ for FUZZTIME each (default 10s).
+#   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
+#   fuzz target of protocol/ for FUZZTIME each (default 10s), and the test on
+#   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernel under
+#   qemu with Soft-RoCE and runs rblk over verbs on /dev/nbd0, beside the
+#   kernel's NVMe-oF RDMA (RBLK_SKIP_VM=1 leaves it out, for a quick run).
 #
 # It ends with the line "N passed, M failed" (counting steps) and exits
 # non-zero if any step failed.
@@ -163,6 +166,11 @@ step "staticcheck ./..." staticcheck ./...
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
 fuzz_all
+if [ "${RBLK_SKIP_VM:-0}" = 1 ]; then
+	warn "RBLK_SKIP_VM=1: the test on a real kernel RDMA stack is left out"
+else
+	step "vm: rblk over Soft-RoCE verbs on /dev/nbd0, beside NVMe-oF RDMA (scripts/vm-test.sh)" scripts/vm-test.sh
+fi
 
 summary
 [ "$failed" -eq 0 ]

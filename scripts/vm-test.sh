@@ -2,8 +2,9 @@
 # scripts/vm-test.sh: rblk's end-to-end test on a real kernel RDMA stack.
 # Builds rblkd and rblk-attach with the verbs provider (-tags rdma), boots
 # Debian's kernel under qemu with Soft-RoCE (vm/run.sh installs what it
-# needs) and runs vm/rblk-e2e.sh inside: rblk over RDMA on /dev/nbd0 with
-# ext4 and fio, side by side with the kernel's NVMe-oF RDMA.
+# needs) and runs vm/rblk-e2e.sh inside: the verbs provider's tests, then
+# rblk over RDMA on /dev/nbd0 with ext4 and fio, side by side with the
+# kernel's NVMe-oF RDMA.
 #
 #   scripts/vm-test.sh            # RBLK_TRANSPORT=tcp to run it without verbs
 set -euo pipefail
@@ -20,6 +21,7 @@ art=$(mktemp -d /var/tmp/rblk-vm-bin.XXXXXX)
 trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
+go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 if [ -n "${RBLK_TRANSPORT:-}" ]; then
 	printf 'export RBLK_TRANSPORT=%q\n' "$RBLK_TRANSPORT" >"$art/env.sh"
 fi

@@ -106,6 +106,9 @@ func serve(f serveFlags) error {
 		t.Close()
 		return fmt.Errorf("--listen %s: %w", f.listen, err)
 	}
+	if di, ok := l.(interface{ DeviceInfo() string }); ok {
+		why += ": " + di.DeviceInfo() // device, port, GID
+	}
 	log.Info("rblkd serving", zap.String("listen", l.Addr()), zap.String("transport", why),
 		zap.Int64("cache_size", cacheSize), zap.Int64("chunk_size", chunkSize))
 	serveErr := t.Serve(ctx, l)
