@@ -9,13 +9,17 @@ CONFDIR   ?= /etc/rblk
 FUZZTIME  ?= 10s
 GOBIN_DIR := $(shell $(GO) env GOPATH 2>/dev/null)/bin
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/staticcheck)
+# The verbs provider is built when rdma-core's headers are installed
+# (apt-get install libibverbs-dev librdmacm-dev); without them, --transport
+# rdma says how to get it and auto uses tcp.
+TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/rdma/rdma_cma.h && echo rdma)
 
 .PHONY: all help build test unit e2e fuzz bench lint quickstart install uninstall clean
 
 all: build
 
 help:
-	@echo "make build       bin/rblkd and bin/rblk-attach"
+	@echo "make build       bin/rblkd and bin/rblk-attach (with the verbs provider when rdma-core headers exist)"
 	@echo "make test        scripts/test.sh: installs tools, runs every check (what CI runs)"
 	@echo "make unit        go test -race ./... (but e2e)"
 	@echo "make e2e         the end-to-end tests of e2e/ (no skipping: RBLK_E2E_REQUIRE=1)"
@@ -27,7 +31,7 @@ help:
 	@echo "make clean       remove bin/"
 
 build:
-	$(GO) build -o bin/ ./cmd/rblkd ./cmd/rblk-attach
+	$(GO) build -tags '$(TAGS)' -o bin/ ./cmd/rblkd ./cmd/rblk-attach
 
 test:
 	bash scripts/test.sh
