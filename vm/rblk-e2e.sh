@@ -93,10 +93,13 @@ detach() {
 
 if [ -x "$BIN/rdma.test" ]; then
 	step "the verbs provider's tests (transport/rdma: the conformance suite over rxe0)"
-	RBLK_RDMA_ADDR=$IP "$BIN/rdma.test" -test.count=1 -test.timeout=10m >"$LOGS/rdma-test.log" 2>&1 ||
+	RBLK_RDMA_ADDR=$IP "$BIN/rdma.test" -test.v -test.count=1 -test.timeout=10m >"$LOGS/rdma-test.log" 2>&1 ||
 		fail "transport/rdma tests: $(grep -E -- '--- FAIL|panic' "$LOGS/rdma-test.log" | head -n 20)"
-	grep -cE -- '--- PASS' "$LOGS/rdma-test.log" | sed 's/$/ subtests passed/'
+	passed=$(grep -cE -- '--- PASS' "$LOGS/rdma-test.log")
+	echo "$passed tests and subtests passed"
 	grep -- '--- SKIP' "$LOGS/rdma-test.log" || true
+	# With a device, the conformance suite must have run, not skipped.
+	[ "$passed" -ge 20 ] || fail "transport/rdma: only $passed tests passed: did the suite skip?"
 fi
 
 step "rblkd serve --transport $TRANSPORT --listen $ADDR"
