@@ -163,9 +163,15 @@ func attach(f attachFlags) error {
 	}
 	srv.Close()
 	<-serveErr
-	cctx, ccancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer ccancel()
-	if err := vol.Close(cctx); err != nil && runErr == nil {
+	return closeVolume(vol, log, runErr)
+}
+
+// closeVolume flushes and closes vol after the NBD side stopped, and
+// returns runErr, or the close's error if runErr is nil.
+func closeVolume(vol *initiator.Volume, log *zap.Logger, runErr error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := vol.Close(ctx); err != nil && runErr == nil {
 		runErr = fmt.Errorf("detach: %w", err)
 	}
 	if runErr == nil {

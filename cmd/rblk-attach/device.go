@@ -75,15 +75,7 @@ func (d *deviceFlags) check(nbdListen string) error {
 func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv *nbd.Server, log *zap.Logger, transport string) error {
 	closeVol := func(runErr error) error {
 		srv.Close()
-		cctx, ccancel := context.WithTimeout(context.Background(), 60*time.Second)
-		defer ccancel()
-		if err := vol.Close(cctx); err != nil && runErr == nil {
-			runErr = fmt.Errorf("detach: %w", err)
-		}
-		if runErr == nil {
-			log.Info("detached cleanly")
-		}
-		return runErr
+		return closeVolume(vol, log, runErr)
 	}
 	timeout := f.dev.timeout
 	switch {
