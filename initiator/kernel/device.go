@@ -47,7 +47,39 @@ type Options struct {
 type driver interface {
 	connect(ctx context.Context, c connectConfig) (index int, err error)
 	disconnect(ctx context.Context, index int) error
+	// receivers is the number of the device's sockets the kernel reads
+	// replies from; ok is false when it cannot tell.
+	receivers(index int) (n int, ok bool)
 }
+
+// How Attach checks that the kernel reads every socket it was given.
+//
+// The kernel reads each socket in a work item of its own (recv_work, on the
+// device's workqueue "nbdN-recv") that loops until the socket ends.
+// NBD_CMD_CONNECT queues them all at once. When the kernel is slow to start
+// a workqueue worker for them (a busy or memory-starved machine; under
+// emulation it happened on the first attach after boot), the workqueue's
+// rescuer thread takes every item still queued and runs them one after the
+// other, in kernels without commit e5a30c303b07 ("workqueue: Process
+// rescuer work items one-by-one using a cursor", 2026; Debian 12's 6.1 is
+// one): it runs the first one, and the others wait behind it until that
+// socket ends, at detach. The replies on their sockets are never read: the
+// requests sent on them wait for the request timeout (3 minutes by
+// default), after which the kernel gives up on the socket and sends them
+// again on another one.
+//
+// So Attach waits, for up to receiversWait, until the kernel reads every
+// socket; if it does not, Attach detaches the device and attaches it again
+// (attachAttempts in all): by then the kernel has started the workers it
+// was slow to start. Variables for tests.
+var (
+	receiversWait  = 5 * time.Second
+	receiversPoll  = 25 * time.Millisecond
+	attachAttempts = 3
+)
+
+// inUseCheck is inUse; tests replace it.
+var inUseCheck = inUse
 
 // Device is an attached /dev/nbdN served by this process.
 type Device struct {
@@ -124,8 +156,60 @@ func (o *Options) setDefaults() {
 }
 
 // attach is Attach with the kernel side given, and the sockets' creator.
+// When the kernel does not read every socket (see receiversWait), it
+// detaches the device and attaches it again.
 func attach(ctx context.Context, opts Options, drv driver, pair func() (mine net.Conn, theirs int, err error), closeFD func(int) error) (*Device, error) {
 	opts.setDefaults()
+	for attempt := 1; ; attempt++ {
+		d, err := attachOnce(ctx, opts, drv, pair, closeFD)
+		if err != nil {
+			return nil, err
+		}
+		n, ok := d.waitReceivers(ctx)
+		if !ok || n >= len(d.conns) {
+			return d, nil
+		}
+		if attempt >= attachAttempts {
+			d.log.Warn("the kernel does not read some of the device's sockets: requests sent on them wait for the request timeout",
+				zap.String("device", d.Path()), zap.Int("read", n), zap.Int("connections", len(d.conns)), zap.Int("attempts", attempt))
+			return d, nil
+		}
+		d.log.Warn("the kernel does not read some of the device's sockets (its workqueue rescuer runs their receive works one after the other): attaching again",
+			zap.String("device", d.Path()), zap.Int("read", n), zap.Int("connections", len(d.conns)), zap.Duration("waited", receiversWait))
+		d.detachOnce.Do(func() { d.detachErr = d.detach(ctx, false) })
+		if d.detachErr != nil {
+			return nil, fmt.Errorf("attach %s again: %w", d.Path(), d.detachErr)
+		}
+		opts.Device = d.Path()
+	}
+}
+
+// waitReceivers waits until the kernel reads every socket, for up to
+// receiversWait, and returns how many it reads; ok is false when it cannot
+// tell (or ctx ended, or the connections ended).
+func (d *Device) waitReceivers(ctx context.Context) (n int, ok bool) {
+	deadline := time.Now().Add(receiversWait)
+	for {
+		n, ok = d.drv.receivers(d.index)
+		if !ok || n >= len(d.conns) {
+			return n, ok
+		}
+		if !time.Now().Before(deadline) {
+			// None at all: this kernel does not show its workers' items.
+			return n, n > 0
+		}
+		select {
+		case <-ctx.Done():
+			return n, false
+		case <-d.done:
+			return n, false
+		case <-time.After(receiversPoll):
+		}
+	}
+}
+
+// attachOnce attaches the device once; opts has its defaults.
+func attachOnce(ctx context.Context, opts Options, drv driver, pair func() (mine net.Conn, theirs int, err error), closeFD func(int) error) (*Device, error) {
 	e := opts.Export
 	flags, err := ServerFlags(e, opts.Connections)
 	if err != nil {
@@ -243,19 +327,25 @@ func (d *Device) abort() {
 // If ctx ends first, the backend calls still running are cancelled. Safe to
 // call more than once: later calls return the first one's result.
 func (d *Device) Detach(ctx context.Context) error {
-	d.detachOnce.Do(func() { d.detachErr = d.detach(ctx) })
+	d.detachOnce.Do(func() { d.detachErr = d.detach(ctx, true) })
 	return d.detachErr
 }
 
-func (d *Device) detach(ctx context.Context) error {
+// detach is Detach; checkInUse: warn when the device is held exclusively,
+// which opens it. Attach, detaching a device to attach it again, does not:
+// the first open reads the partition table, and on a device with an unread
+// socket that read may wait for the request timeout.
+func (d *Device) detach(ctx context.Context, checkInUse bool) error {
 	var errs []error
 	select {
 	case <-d.done:
 		d.log.Info("nbd device was disconnected by another process", zap.String("device", d.Path()))
 	default:
-		if busy, err := inUse(d.Path()); err == nil && busy {
-			d.log.Warn("detaching a device that is in use (mounted?): its users get IO errors from now on",
-				zap.String("device", d.Path()))
+		if checkInUse {
+			if busy, err := inUseCheck(d.Path()); err == nil && busy {
+				d.log.Warn("detaching a device that is in use (mounted?): its users get IO errors from now on",
+					zap.String("device", d.Path()))
+			}
 		}
 		if err := d.drv.disconnect(ctx, d.index); err != nil {
 			errs = append(errs, fmt.Errorf("disconnect %s: %w", d.Path(), err))

@@ -103,9 +103,18 @@ type fakeKernel struct {
 	next        int
 	closedFDs   []int
 	cfg         connectConfig
-	socks       []*fakeSock
+	socks       []*fakeSock // of every connect
+	cur         []*fakeSock // of the latest connect
 	connectErr  error
+	connects    int
+	connectIdx  []int // the index each connect asked for
 	disconnects int
+	// readers[i] is how many sockets of connect i+1 the fake reads replies
+	// from (the others are never read, as when the kernel's workqueue
+	// rescuer holds their receive works); all beyond the slice.
+	readers []int
+	// noReceivers: receivers cannot tell.
+	noReceivers bool
 }
 
 func newFakeKernel(t *testing.T) *fakeKernel {
@@ -150,13 +159,37 @@ func (k *fakeKernel) connect(_ context.Context, cfg connectConfig) (int, error) 
 	if k.connectErr != nil {
 		return -1, k.connectErr
 	}
-	for _, fd := range cfg.FDs {
-		k.socks = append(k.socks, newFakeSock(k.t, k.ends[fd]))
+	k.connects++
+	k.connectIdx = append(k.connectIdx, cfg.Index)
+	readers := len(cfg.FDs)
+	if k.connects <= len(k.readers) {
+		readers = k.readers[k.connects-1]
+	}
+	k.cur = nil
+	for i, fd := range cfg.FDs {
+		s := newFakeSock(k.t, k.ends[fd], i < readers)
+		k.socks = append(k.socks, s)
+		k.cur = append(k.cur, s)
 	}
 	if cfg.Index >= 0 {
 		return cfg.Index, nil
 	}
 	return 7, nil
+}
+
+func (k *fakeKernel) receivers(int) (int, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.noReceivers {
+		return 0, false
+	}
+	n := 0
+	for _, s := range k.cur {
+		if s.reading {
+			n++
+		}
+	}
+	return n, true
 }
 
 func (k *fakeKernel) disconnect(context.Context, int) error {
@@ -190,6 +223,7 @@ const (
 type fakeSock struct {
 	t       *testing.T
 	c       net.Conn
+	reading bool // replies are read
 	wmu     sync.Mutex
 	mu      sync.Mutex
 	cookie  uint64
@@ -202,9 +236,11 @@ type reply struct {
 	data  []byte
 }
 
-func newFakeSock(t *testing.T, c net.Conn) *fakeSock {
-	s := &fakeSock{t: t, c: c, readLen: make(map[uint64]uint32), replies: make(map[uint64]chan reply)}
-	go s.readReplies()
+func newFakeSock(t *testing.T, c net.Conn, reading bool) *fakeSock {
+	s := &fakeSock{t: t, c: c, reading: reading, readLen: make(map[uint64]uint32), replies: make(map[uint64]chan reply)}
+	if reading {
+		go s.readReplies()
+	}
 	return s
 }
 
@@ -388,6 +424,119 @@ func TestDisconnectedByOther(t *testing.T) {
 	}
 	if ev := be.Events(); !slices.Equal(ev, []string{"write 0+512", "flush"}) {
 		t.Errorf("backend calls %q", ev)
+	}
+}
+
+// shortReceiversWait makes Attach wait d for the kernel to read every
+// socket.
+func shortReceiversWait(t *testing.T, d time.Duration) {
+	old := receiversWait
+	receiversWait = d
+	t.Cleanup(func() { receiversWait = old })
+}
+
+// The kernel may leave a socket unread: when it is slow to start workqueue
+// workers at NBD_CMD_CONNECT, its workqueue rescuer runs the receive work of
+// one socket and the others wait behind it until that socket ends (the
+// 3-minute stall of the first attach after boot in vm/rblk-e2e.sh). Attach
+// notices, and attaches the device again as the same /dev/nbdN.
+func TestAttachAgainWhenASocketIsNotRead(t *testing.T) {
+	shortReceiversWait(t, 200*time.Millisecond)
+	// Attaching again must not open the device: that first open reads the
+	// partition table, which may go to the unread socket.
+	var opened []string
+	inUseCheck = func(path string) (bool, error) {
+		opened = append(opened, path)
+		return false, nil
+	}
+	t.Cleanup(func() { inUseCheck = inUse })
+	be := newMemBackend(1 << 20)
+	k := newFakeKernel(t)
+	k.readers = []int{1} // first connect: only socket 0 is read
+	dev, err := attach(context.Background(), Options{Export: testExport(be), Connections: 2, Device: "auto",
+		Logger: zaptest.NewLogger(t)}, k, k.pair, k.closeFD)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k.connects != 2 || k.disconnects != 1 || !slices.Equal(k.connectIdx, []int{-1, 7}) {
+		t.Errorf("%d NBD_CMD_CONNECT (for devices %v), %d NBD_CMD_DISCONNECT; want 2 (for -1, then 7) and 1",
+			k.connects, k.connectIdx, k.disconnects)
+	}
+	if dev.Path() != "/dev/nbd7" || dev.Connections() != 2 {
+		t.Errorf("device %s, %d connections", dev.Path(), dev.Connections())
+	}
+	if len(opened) != 0 {
+		t.Errorf("Attach opened %q", opened)
+	}
+	if !slices.Equal(k.closedFDs, []int{101, 102, 103, 104}) {
+		t.Errorf("kernel ends closed: %v", k.closedFDs)
+	}
+	// Both sockets of the new connection are served.
+	s0, s1 := k.cur[0], k.cur[1]
+	data := bytes.Repeat([]byte("rblk"), 1024)
+	if r := s0.wait(s0.send(nbdCmdWrite, 0, 0, 4096, data)); r.errno != 0 {
+		t.Fatalf("WRITE: errno %d", r.errno)
+	}
+	if r := s1.wait(s1.send(nbdCmdRead, 0, 0, 4096, nil)); r.errno != 0 || !bytes.Equal(r.data, data) {
+		t.Fatalf("READ on the other socket: errno %d, data equal %v", r.errno, bytes.Equal(r.data, data))
+	}
+	if err := dev.Detach(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if ev := be.Events(); !slices.Equal(ev, []string{"flush", "write 0+4096", "flush"}) {
+		t.Errorf("backend calls %q", ev)
+	}
+}
+
+// A socket still unread after attachAttempts: Attach gives up attaching
+// again and returns the device, whose other sockets work (the kernel moves
+// the requests of the unread one to them after the request timeout).
+func TestAttachGivesUpAttachingAgain(t *testing.T) {
+	shortReceiversWait(t, 50*time.Millisecond)
+	k := newFakeKernel(t)
+	k.readers = []int{1, 1, 1, 1}
+	dev, err := attach(context.Background(), Options{Export: testExport(newMemBackend(1 << 20)), Connections: 2,
+		Device: "nbd4", Logger: zaptest.NewLogger(t)}, k, k.pair, k.closeFD)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k.connects != attachAttempts || k.disconnects != attachAttempts-1 {
+		t.Errorf("%d NBD_CMD_CONNECT, %d NBD_CMD_DISCONNECT; want %d and %d", k.connects, k.disconnects,
+			attachAttempts, attachAttempts-1)
+	}
+	if s := k.cur[0]; s.wait(s.send(nbdCmdRead, 0, 0, 512, nil)).errno != 0 {
+		t.Error("READ failed")
+	}
+	if err := dev.Detach(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A kernel that does not tell which sockets it reads: Attach does not wait.
+func TestAttachReceiversUnknown(t *testing.T) {
+	shortReceiversWait(t, time.Minute)
+	k := newFakeKernel(t)
+	k.noReceivers = true
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		dev, err := attach(context.Background(), Options{Export: testExport(newMemBackend(1 << 20)), Connections: 2},
+			k, k.pair, k.closeFD)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		if err := dev.Detach(context.Background()); err != nil {
+			t.Error(err)
+		}
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Attach waits for receivers the kernel does not show")
+	}
+	if k.connects != 1 {
+		t.Errorf("%d NBD_CMD_CONNECT, want 1", k.connects)
 	}
 }
 

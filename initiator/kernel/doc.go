@@ -38,6 +38,19 @@
 //     NBD_SOCK_FD (u32), the kernel's end. The kernel takes its own
 //     reference to each during the call; ours are closed after it.
 //
+// Attach then waits (up to 5 s) until the kernel reads every socket: it
+// reads each in a work item of the device's workqueue "nbdN-recv", and
+// counts the workers running one (/proc/PID/comm ends in "+nbdN-recv").
+// When the kernel is slow to start workers for them (a loaded machine; under
+// emulation, the first attach after boot), the workqueue's rescuer thread
+// may take all of them and run only the first: the others wait behind it
+// until that socket ends, and the requests sent on their sockets wait for
+// the request timeout. Kernels without commit e5a30c303b07 ("workqueue:
+// Process rescuer work items one-by-one using a cursor"), such as Debian
+// 12's 6.1, do that. Attach then detaches the device and attaches it again
+// (three attempts in all; after them it logs a warning and returns the
+// device, which works on the sockets the kernel reads).
+//
 // The kernel answers EBUSY for a device that has a configuration already
 // (ErrInUse), EPERM without CAP_SYS_ADMIN, and ENOENT for the family when
 // the nbd module is not loaded: ErrNoModule, "the kernel has no nbd module:

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -91,6 +93,44 @@ func socketpair() (net.Conn, int, error) {
 
 // netlinkDriver talks to the kernel's "nbd" generic netlink family.
 type netlinkDriver struct{}
+
+// receivers counts the kernel threads that read the sockets of /dev/nbdN.
+func (netlinkDriver) receivers(index int) (int, bool) { return countReceivers("/proc", index) }
+
+// countReceivers counts the tasks under proc running a work item of the
+// workqueue "nbdN-recv", where the NBD driver reads each socket of /dev/nbdN
+// in an item of its own (recv_work) until the socket ends. While a
+// workqueue worker runs an item, its /proc/PID/comm is its name, "+" and the
+// workqueue's: "kworker/u5:1+nbd0-recv", or "nbd0-recv+nbd0-recv" for the
+// workqueue's rescuer thread (since Linux 4.18). ok is false when no task
+// shows the workqueue's name at all, not even its rescuer (named after it):
+// a kernel that names it otherwise.
+func countReceivers(proc string, index int) (n int, ok bool) {
+	ents, err := os.ReadDir(proc)
+	if err != nil {
+		return 0, false
+	}
+	wq := fmt.Sprintf("nbd%d-recv", index)
+	for _, e := range ents {
+		name := e.Name()
+		if name == "" || name[0] < '0' || name[0] > '9' {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(proc, name, "comm"))
+		if err != nil {
+			continue
+		}
+		// Older kernels name it "knbdN-recv".
+		comm := strings.TrimSuffix(string(b), "\n")
+		if strings.HasSuffix(comm, wq) {
+			ok = true
+			if strings.HasSuffix(comm, "+"+wq) || strings.HasSuffix(comm, "+k"+wq) {
+				n++
+			}
+		}
+	}
+	return n, ok
+}
 
 // dial opens a generic netlink socket and finds the nbd family; ctx's
 // deadline (or its end) bounds every exchange on it.

@@ -92,3 +92,43 @@ func TestAttachSocketpair(t *testing.T) {
 		t.Errorf("backend calls %q", ev)
 	}
 }
+
+// The kernel threads running a receive work of /dev/nbdN, as /proc shows
+// them: a worker running an item of workqueue "nbdN-recv" ("+"), the
+// workqueue's rescuer running one; not a worker that ran one last ("-"),
+// an idle rescuer, another device's, or another task.
+func TestCountReceivers(t *testing.T) {
+	proc := t.TempDir()
+	for pid, comm := range map[string]string{
+		"12":   "kworker/u5:1+nbd0-recv",
+		"13":   "nbd0-recv+nbd0-recv",
+		"14":   "kworker/u5:2-nbd0-recv",
+		"15":   "nbd0-recv",
+		"16":   "kworker/u5:3+nbd10-recv",
+		"18":   "kworker/u5:4+knbd10-recv",
+		"17":   "bash",
+		"self": "kworker/u5:1+nbd0-recv",
+	} {
+		if err := os.Mkdir(proc+"/"+pid, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(proc+"/"+pid+"/comm", []byte(comm+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(proc+"/uptime", []byte("1.0 2.0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for index, want := range map[int]int{0: 2, 10: 2} {
+		if n, ok := countReceivers(proc, index); n != want || !ok {
+			t.Errorf("nbd%d: %d receivers (ok %v), want %d", index, n, ok, want)
+		}
+	}
+	// No task named after nbd1's workqueue: the kernel does not show it.
+	if n, ok := countReceivers(proc, 1); n != 0 || ok {
+		t.Errorf("nbd1: %d receivers, ok %v; want 0, false", n, ok)
+	}
+	if _, ok := countReceivers(proc+"/none", 0); ok {
+		t.Error("no /proc: ok")
+	}
+}

@@ -637,6 +637,9 @@ func TestServeTransmission(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Errorf("ServeTransmission: %v", err)
 	}
+	// No reply to NBD_CMD_DISC: the kernel would take one for a request of
+	// its ("Unexpected reply").
+	rc.expectClosed()
 	cc.Close()
 	if err := srv.Close(); err != nil {
 		t.Error(err)
