@@ -34,12 +34,13 @@ type rig struct {
 }
 
 // startTarget serves one export of size bytes at path on a loopback port.
-func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool) *rig {
+func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
 	t.Helper()
-	return startTargetAt(t, filepath.Join(t.TempDir(), "vol.img"), "127.0.0.1:0", size, cache, chunk, ro)
+	return startTargetAt(t, filepath.Join(t.TempDir(), "vol.img"), "127.0.0.1:0", size, cache, chunk, ro, mods...)
 }
 
-func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chunk int, ro bool) *rig {
+// startTargetAt starts a target; mods change its options before it starts.
+func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
 	t.Helper()
 	if ro {
 		if err := os.WriteFile(path, bytes.Repeat([]byte{0x42}, int(size)), 0o600); err != nil {
@@ -47,8 +48,12 @@ func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chu
 		}
 	}
 	reg := prometheus.NewRegistry()
-	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: size, ReadOnly: ro}},
-		CacheSize: cache, ChunkSize: chunk, Registerer: reg, RevokeTimeout: 5 * time.Second})
+	opts := target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: size, ReadOnly: ro}},
+		CacheSize: cache, ChunkSize: chunk, Registerer: reg, RevokeTimeout: 5 * time.Second}
+	for _, mod := range mods {
+		mod(&opts)
+	}
+	tg, err := target.New(opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -360,8 +360,13 @@ func (c *cache) writebackLocked(ch *chunk) error {
 	return firstErr
 }
 
-// writebackVolume writes back every dirty chunk of v.
+// writebackVolume writes back every dirty chunk of v. When it returns,
+// every range marked dirty before it was called is written (or its error
+// recorded), including ranges an earlier pass had taken: passes are
+// serialized by v.passMu.
 func (c *cache) writebackVolume(v *volume) error {
+	v.passMu.Lock()
+	defer v.passMu.Unlock()
 	var firstErr error
 	for _, ch := range v.takeDirty() {
 		if err := c.writeback(ch); err != nil && firstErr == nil {
@@ -371,7 +376,9 @@ func (c *cache) writebackVolume(v *volume) error {
 	return firstErr
 }
 
-// flush makes every range marked dirty before the call durable.
+// flush makes every range marked dirty before the call durable: the chunks
+// still on the dirty list and those a background pass took and is writing
+// (writebackVolume waits for that pass), then fdatasync.
 func (c *cache) flush(v *volume) error {
 	v.flushMu.Lock()
 	defer v.flushMu.Unlock()

@@ -87,13 +87,29 @@ func ParseSize(s string) (int64, error) {
 	return n * mult, nil
 }
 
+// Store is a volume's backing storage as the target uses it: an *os.File
+// of a regular file or block device satisfies it. Options.WrapStore may put
+// another in front of the file, for example to inject a slow or failing
+// disk in tests.
+type Store interface {
+	// ReadAt and WriteAt are those of io.ReaderAt and io.WriterAt; they may
+	// be called concurrently on different ranges.
+	ReadAt(p []byte, off int64) (int, error)
+	WriteAt(p []byte, off int64) (int, error)
+	// Sync makes every write that returned before it was called durable.
+	Sync() error
+	// Fd is the file descriptor that fallocate (trim, write zeroes) acts on.
+	Fd() uintptr
+}
+
 // volume is an open export.
 type volume struct {
 	id       uint32
 	name     string
 	path     string
 	readOnly bool
-	f        *os.File
+	file     *os.File // the backing file, closed with the volume
+	f        Store    // file, or what Options.WrapStore put in front of it
 	size     uint64
 	blockDev bool
 
@@ -106,6 +122,11 @@ type volume struct {
 	wbErr    error // first write-back error since the last flush
 	wbSignal chan struct{}
 
+	// passMu is held by a write-back pass from the moment it takes dirty
+	// chunks off the list until their blocks are written: a flush takes
+	// it too, so it never misses ranges a background pass has taken and
+	// not yet written.
+	passMu  sync.Mutex
 	flushMu sync.Mutex
 }
 
@@ -133,7 +154,7 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 		f.Close()
 		return nil, fmt.Errorf("export %q: stat %s: %w", e.Name, e.Path, err)
 	}
-	v := &volume{id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, f: f,
+	v := &volume{id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
 		dirty: make(map[*chunk]struct{}), wbSignal: make(chan struct{}, 1)}
 	switch mode := st.Mode(); {
 	case mode.IsRegular():

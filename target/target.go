@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"time"
@@ -45,6 +46,10 @@ type Options struct {
 	// their IO and flush after it announced the shutdown. Default
 	// DefaultDrainTimeout.
 	DrainTimeout time.Duration
+	// WrapStore, if set, is called once per export with its opened backing
+	// file and returns the Store the target uses instead: a test puts a
+	// slow or failing disk there. The file is still closed by the target.
+	WrapStore func(export string, f *os.File) Store
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Registerer receives the target's metrics. Default: not registered.
@@ -111,6 +116,9 @@ func New(opts Options) (*Target, error) {
 			t.closeVolumes()
 			return nil, err
 		}
+		if opts.WrapStore != nil {
+			v.f = opts.WrapStore(e.Name, v.file)
+		}
 		t.vols = append(t.vols, v)
 		t.volumes[e.Name] = v
 	}
@@ -135,7 +143,7 @@ func New(opts Options) (*Target, error) {
 
 func (t *Target) closeVolumes() {
 	for _, v := range t.vols {
-		v.f.Close()
+		v.file.Close()
 	}
 }
 
@@ -245,7 +253,7 @@ func (t *Target) Close() error {
 		t.wg.Wait()
 		err := t.cache.close(t.vols)
 		for _, v := range t.vols {
-			if cerr := v.f.Close(); cerr != nil && err == nil {
+			if cerr := v.file.Close(); cerr != nil && err == nil {
 				err = cerr
 			}
 		}
