@@ -8,7 +8,7 @@ import (
 )
 
 func doneWith(n int) *protocol.Done {
-	d := &protocol.Done{Handle: 1, Flags: protocol.DoneFUA, Ranges: make([]protocol.Range, n)}
+	d := &protocol.Done{Handle: 1, Flags: protocol.DoneFUA, Generation: 1, Ranges: make([]protocol.Range, n)}
 	for i := range d.Ranges {
 		d.Ranges[i] = protocol.Range{Offset: uint64(i) << 16, Length: 4096}
 	}

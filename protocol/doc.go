@@ -24,14 +24,18 @@
 //	                              <-------------------------  accept, private data Hello
 //	 ListExports                  ------------------------->
 //	                              <-------------------------  ExportList
-//	 Open{read-write, "vol0"}     ------------------------->
-//	                              <-------------------------  VolumeInfo{handle 1}
+//	 Open{read-write, "vol0",     ------------------------->  fences earlier sessions
+//	      host "host-a"}                                      of "host-a" on "vol0"
+//	                              <-------------------------  VolumeInfo{handle 1, session gen 3}
 //	 GrantRequest{1, write, off}  ------------------------->
 //	                              <-------------------------  Grant{1, write, chunk, addr, rkey, gen 7}
 //	 RDMA READ / RDMA WRITE       =========================>
-//	 Done{1, [(off, len)]}        ------------------------->
-//	 Flush{1}                     ------------------------->
+//	 Done{1, session gen 3,       ------------------------->
+//	      [(off, len)]}
+//	 Flush{1, session gen 3}      ------------------------->
 //	                              <-------------------------  OK
+//	                              <-------------------------  KeepAlive (link quiet)
+//	 OK                           ------------------------->
 //	                              <-------------------------  Revoke{1, chunk, gen 7}
 //	 RevokeAck{1, chunk, gen 7}   ------------------------->
 //	 Close{1}                     ------------------------->
@@ -47,7 +51,17 @@
 //   - ListExports returns every export, its size and flags, in one ExportList.
 //   - Open opens an export read-only or read-write; VolumeInfo gives the handle
 //     that names it in the connection's later requests, its size, its logical
-//     block size and its chunk size.
+//     block size, its chunk size and the session's generation.
+//   - Sessions are reinstated by host ID. Open carries the initiator's stable
+//     host ID (empty for an anonymous initiator, whose sessions are never
+//     reinstated nor fenced). Open with a host ID fences every earlier
+//     session of that host ID and export on the target before it replies:
+//     their grants are revoked and deregistered, their connections closed,
+//     and nothing still in flight on them can reach the cache. VolumeInfo's
+//     Generation is never 0 and unique within the target's lifetime; a
+//     reconnecting initiator of the same host ID and export gets a higher
+//     one than its earlier sessions. Done and Flush carry the session's
+//     generation and a stale one is refused with CodeStale.
 //   - GrantRequest asks, on demand, for the chunk that holds an offset; Grant
 //     gives the chunk's start, its registered memory (Addr, RKey, Length) and
 //     a Generation that tells this grant from earlier and later ones of the
@@ -59,7 +73,8 @@
 //     reply unless it fails, or with DoneFUA the reply OK once its ranges are
 //     durable. Ranges of one Done may span several chunks of the handle.
 //   - Flush replies OK once every range of every Done the target received
-//     before it, on this connection, is written back and fdatasync'd.
+//     before it, on this connection, is written back and fdatasync'd. It
+//     carries the session's generation, as Done does.
 //   - To evict a chunk the target sends Revoke (with a tag of its own). The
 //     initiator stops starting operations on that grant, waits for those in
 //     flight, sends Done for what it wrote through it, then replies RevokeAck
@@ -74,6 +89,10 @@
 //   - Close releases the handle and all its grants: the initiator stops using
 //     them when it sends Close. Close does not flush: send Flush first if the
 //     data must be durable.
+//   - KeepAlive checks a quiet link: either side sends it, with a tag of its
+//     own, when it has received nothing from its peer for a while, and the
+//     peer replies OK with that tag (never Error). A side that gets no
+//     reply in time takes the connection for dead.
 //   - When the target shuts down cleanly it first sends an Error with tag 0
 //     and CodeShutdown, a notice rather than a reply. The initiator then
 //     starts no new operation on the connection, lets those in flight finish
@@ -83,7 +102,9 @@
 //   - Any request may be answered by Error, with the request's tag, instead of
 //     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
 //     matches with ErrStale, ErrPerm and the like. CodeStale means the grant
-//     is unknown or revoked: ask for a new one.
+//     is unknown or revoked: ask for a new one; or, for Done and Flush, that
+//     the session's generation is older than the target's current one for
+//     that host ID and export: the session was fenced.
 //
 // Requests, who sends them and their replies:
 //
@@ -97,12 +118,16 @@
 //	WriteZeroes    initiator   OK
 //	Close          initiator   OK
 //	Revoke         target      RevokeAck (never Error)
+//	KeepAlive      either      OK (never Error)
 //	Credit         either      none (never Error)
 //
 // A tag is chosen by the sender of a request and is not reused while a reply
 // to it may still come (a Done without DoneFUA may still be answered by
 // Error); a counter is simplest. Each side has its own tag space: a reply is
-// matched with the requests its receiver sent.
+// matched with the requests its receiver sent. The replies are Error,
+// ExportList, VolumeInfo, Grant, RevokeAck and OK; the other types but Hello
+// are requests. An OK can thus come to either side: the initiator gets it
+// for its requests, the target for its KeepAlives.
 //
 // # Flow control
 //
@@ -123,6 +148,11 @@
 //     good choice; so N >= 3). T >= 2 keeps a Credit from being answered by a
 //     Credit; T <= N-1 guarantees that a peer holding only its reserved last
 //     credit is always refilled.
+//   - KeepAlive and its OK are ordinary messages: each uses a credit and
+//     returns those owed, under the rules above. A side holding only its
+//     reserved last credit, with none to return, cannot send KeepAlive; its
+//     peer then owes it credits, and their not coming in time says as much
+//     about the link as a missing OK.
 //   - A side never sends a message larger than the peer's Hello.MaxMessage,
 //     and posts receive buffers of at least its own MaxMessage bytes. Every
 //     message of this version fits MaxMessageSize.
@@ -142,7 +172,12 @@
 //     ranges are durable when OK arrives. It says nothing of Dones sent after
 //     it, or on other connections.
 //   - Every request gets exactly one reply (its reply or Error), except Done
-//     without DoneFUA, which gets one only if it fails, and Credit.
+//     without DoneFUA, which gets one only if it fails, and Credit. Revoke
+//     and KeepAlive are never answered by Error.
+//   - Once the target has replied to an Open with a host ID, no session of
+//     that host ID and export with an older generation has grants, a
+//     connection, or anything in flight that can still reach the cache; its
+//     Done and Flush, should any arrive, are refused with CodeStale.
 //   - Reserved fields and undefined flag bits are zero, and decoders reject
 //     anything else (ErrReserved), so that decoding and re-encoding a message
 //     gives back the same bytes.
@@ -210,7 +245,7 @@
 //	0 |             code              |   text len    | text          ~
 //	  +-------------------------------+---------------+---------------+
 //
-// ListExports (3), OK (12) and Credit (17) have no payload.
+// ListExports (3), OK (12), Credit (17) and KeepAlive (18) have no payload.
 //
 // ExportList (4), 2 bytes and the entries, all in one message:
 //
@@ -227,15 +262,20 @@
 //	1+len    8     size: the volume's size in bytes
 //	9+len    4     flags: VolumeFlags
 //
-// Open (5), 4 bytes and the name. Mode is ModeReadOnly (0) or ModeReadWrite
-// (1); the name, 1 to MaxNameLen bytes of UTF-8 without NUL.
+// Open (5), 8 bytes, the name and the host ID. Mode is ModeReadOnly (0) or
+// ModeReadWrite (1); the name, 1 to MaxNameLen bytes of UTF-8 without NUL;
+// the host ID, 0 to MaxNameLen bytes of UTF-8 without NUL (0: anonymous). The
+// host ID follows the name without padding.
 //
 //	    0       1       2       3       4       5       6       7
-//	  +-------+-------+---------------+-------------------------------+
-//	0 | mode  | rsvd  |   name len    | name (name len bytes)         ~
-//	  +-------+-------+---------------+-------------------------------+
+//	  +-------+-------+---------------+---------------+---------------+
+//	0 | mode  | rsvd  |   name len    |  host ID len  |   reserved    |
+//	  +-------+-------+---------------+---------------+---------------+
+//	8 | name (name len bytes), then host ID (host ID len bytes)       ~
+//	  +---------------------------------------------------------------+
 //
-// VolumeInfo (6), 24 bytes, the reply to Open. Flags are VolumeFlags.
+// VolumeInfo (6), 32 bytes, the reply to Open. Flags are VolumeFlags.
+// Generation is the session's, never 0.
 //
 //	     0       1       2       3       4       5       6       7
 //	   +-------------------------------+-------------------------------+
@@ -245,6 +285,8 @@
 //	   +-------------------------------+-------------------------------+
 //	16 |          block size           |          chunk size           |
 //	   +-------------------------------+-------------------------------+
+//	24 |                      session generation                       |
+//	   +---------------------------------------------------------------+
 //
 // GrantRequest (7), 16 bytes. Flags: GrantWrite (1). Offset is any offset in
 // the wanted chunk.
@@ -284,8 +326,9 @@
 //	16 |                          generation                           |
 //	   +---------------------------------------------------------------+
 //
-// Done (11), 16 bytes and 16 for each range. Flags: DoneFUA (1). Count is 1 to
-// MaxDoneRanges (253); no range is empty or wraps around 2^64.
+// Done (11), 24 bytes and 16 for each range. Flags: DoneFUA (1). Count is 1
+// to MaxDoneRanges (253); no range is empty or wraps around 2^64. Session
+// generation is VolumeInfo's, never 0.
 //
 //	     0       1       2       3       4       5       6       7
 //	   +-------------------------------+-------------------------------+
@@ -293,14 +336,25 @@
 //	   +-------------------------------+-------------------------------+
 //	 8 |             count             |           reserved            |
 //	   +-------------------------------+-------------------------------+
-//	16 |                        range 0: offset                        |
+//	16 |                      session generation                       |
 //	   +---------------------------------------------------------------+
-//	24 |                        range 0: length                        |
+//	24 |                        range 0: offset                        |
 //	   +---------------------------------------------------------------+
-//	32 | more ranges, up to count                                      ~
+//	32 |                        range 0: length                        |
+//	   +---------------------------------------------------------------+
+//	40 | more ranges, up to count                                      ~
 //	   +---------------------------------------------------------------+
 //
-// Flush (13) and Close (16), 8 bytes.
+// Flush (13), 16 bytes. Session generation is VolumeInfo's, never 0.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------------------------------+-------------------------------+
+//	0 |            handle             |           reserved            |
+//	  +-------------------------------+-------------------------------+
+//	8 |                      session generation                       |
+//	  +---------------------------------------------------------------+
+//
+// Close (16), 8 bytes.
 //
 //	    0       1       2       3       4       5       6       7
 //	  +-------------------------------+-------------------------------+

@@ -178,6 +178,8 @@ func FuzzGrant(f *testing.F)        { fuzzPayload(f, protocol.TypeGrant) }
 func FuzzRevoke(f *testing.F)       { fuzzPayload(f, protocol.TypeRevoke) }
 func FuzzRevokeAck(f *testing.F)    { fuzzPayload(f, protocol.TypeRevokeAck) }
 func FuzzDone(f *testing.F)         { fuzzPayload(f, protocol.TypeDone) }
+func FuzzFlush(f *testing.F)        { fuzzPayload(f, protocol.TypeFlush) }
+func FuzzClose(f *testing.F)        { fuzzPayload(f, protocol.TypeClose) }
 func FuzzTrim(f *testing.F)         { fuzzPayload(f, protocol.TypeTrim) }
 func FuzzWriteZeroes(f *testing.F)  { fuzzPayload(f, protocol.TypeWriteZeroes) }
 
@@ -263,6 +265,7 @@ func seedCorpus() map[string][]byte {
 		"FuzzVolumeInfo": protocol.TypeVolumeInfo, "FuzzGrantRequest": protocol.TypeGrantRequest,
 		"FuzzGrant": protocol.TypeGrant, "FuzzRevoke": protocol.TypeRevoke,
 		"FuzzRevokeAck": protocol.TypeRevokeAck, "FuzzDone": protocol.TypeDone,
+		"FuzzFlush": protocol.TypeFlush, "FuzzClose": protocol.TypeClose,
 		"FuzzTrim": protocol.TypeTrim, "FuzzWriteZeroes": protocol.TypeWriteZeroes,
 	} {
 		add(fuzz, payloadSeeds(typ))

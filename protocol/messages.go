@@ -16,13 +16,14 @@ const (
 	errorFixedSize   = 6
 	exportListFixed  = 2
 	exportEntryFixed = 1 + 8 + 4
-	openFixedSize    = 4
-	volumeInfoSize   = 24
+	openFixedSize    = 8
+	volumeInfoSize   = 32
 	grantRequestSize = 16
 	grantSize        = 40
 	revokeSize       = 24
-	doneFixedSize    = 16
+	doneFixedSize    = 24
 	rangeSize        = 16
+	flushSize        = 16
 	handleOnlySize   = 8
 	extentSize       = 24
 )
@@ -151,15 +152,34 @@ func checkReserved(what string, v uint32) error {
 
 // checkName checks an export name: 1 to MaxNameLen bytes of UTF-8 without NUL.
 func checkName(name string) error {
-	switch {
-	case name == "":
+	if name == "" {
 		return fmt.Errorf("%w: empty name", ErrBadField)
-	case len(name) > MaxNameLen:
-		return fmt.Errorf("%w: name of %d bytes, more than %d", ErrBadField, len(name), MaxNameLen)
-	case !utf8.ValidString(name):
-		return fmt.Errorf("%w: name %q is not UTF-8", ErrBadField, name)
-	case strings.IndexByte(name, 0) >= 0:
-		return fmt.Errorf("%w: name %q has a NUL byte", ErrBadField, name)
+	}
+	return checkString("name", name)
+}
+
+// checkHostID checks a host ID: like a name, but it may be empty.
+func checkHostID(id string) error {
+	return checkString("host ID", id)
+}
+
+// checkString checks that s is at most MaxNameLen bytes of UTF-8 without NUL.
+func checkString(what, s string) error {
+	switch {
+	case len(s) > MaxNameLen:
+		return fmt.Errorf("%w: %s of %d bytes, more than %d", ErrBadField, what, len(s), MaxNameLen)
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%w: %s %q is not UTF-8", ErrBadField, what, s)
+	case strings.IndexByte(s, 0) >= 0:
+		return fmt.Errorf("%w: %s %q has a NUL byte", ErrBadField, what, s)
+	}
+	return nil
+}
+
+// checkGeneration checks a session generation, which is never 0.
+func checkGeneration(gen uint64) error {
+	if gen == 0 {
+		return fmt.Errorf("%w: session generation 0", ErrBadField)
 	}
 	return nil
 }
@@ -304,7 +324,7 @@ func (*ListExports) Unmarshal(p []byte) error { return unmarshalEmpty(TypeListEx
 func (*ListExports) validate() error          { return nil }
 
 // OK is the success reply, without payload, of Done with DoneFUA, Flush,
-// Trim, WriteZeroes and Close.
+// Trim, WriteZeroes, Close and KeepAlive.
 type OK struct{}
 
 func (*OK) Type() Type               { return TypeOK }
@@ -323,6 +343,17 @@ func (*Credit) Size() int                { return 0 }
 func (*Credit) MarshalTo([]byte) int     { return 0 }
 func (*Credit) Unmarshal(p []byte) error { return unmarshalEmpty(TypeCredit, p) }
 func (*Credit) validate() error          { return nil }
+
+// KeepAlive has no payload. Either side sends it, as a request with a tag of
+// its own, when its link has been quiet for a while; the peer replies OK,
+// never Error. A side that gets no reply in time takes the link for dead.
+type KeepAlive struct{}
+
+func (*KeepAlive) Type() Type               { return TypeKeepAlive }
+func (*KeepAlive) Size() int                { return 0 }
+func (*KeepAlive) MarshalTo([]byte) int     { return 0 }
+func (*KeepAlive) Unmarshal(p []byte) error { return unmarshalEmpty(TypeKeepAlive, p) }
+func (*KeepAlive) validate() error          { return nil }
 
 // ExportEntry describes one export in an ExportList.
 type ExportEntry struct {
@@ -428,10 +459,16 @@ type Open struct {
 	Mode Mode
 	// Name is the export's name.
 	Name string
+	// HostID is the initiator's stable identity: 0 to MaxNameLen bytes of
+	// UTF-8 without NUL. Empty is anonymous: the session cannot be
+	// reinstated. With a host ID, the target fences every earlier session
+	// of the same host ID and export before it replies (see the package
+	// doc).
+	HostID string
 }
 
 func (m *Open) Type() Type { return TypeOpen }
-func (m *Open) Size() int  { return openFixedSize + len(m.Name) }
+func (m *Open) Size() int  { return openFixedSize + len(m.Name) + len(m.HostID) }
 
 func (m *Open) MarshalTo(b []byte) int {
 	n := m.Size()
@@ -439,7 +476,10 @@ func (m *Open) MarshalTo(b []byte) int {
 	b[0] = uint8(m.Mode)
 	b[1] = 0
 	be.PutUint16(b[2:], uint16(len(m.Name)))
-	copy(b[4:], m.Name)
+	be.PutUint16(b[4:], uint16(len(m.HostID)))
+	be.PutUint16(b[6:], 0)
+	o := openFixedSize + copy(b[openFixedSize:], m.Name)
+	copy(b[o:], m.HostID)
 	return n
 }
 
@@ -447,18 +487,23 @@ func (m *Open) Unmarshal(p []byte) error {
 	if len(p) < openFixedSize {
 		return truncated(TypeOpen, len(p), openFixedSize)
 	}
-	if err := checkReserved("reserved", uint32(p[1])); err != nil {
+	if err := checkReserved("reserved", uint32(p[1])|uint32(be.Uint16(p[6:]))); err != nil {
 		return decodeErr(TypeOpen, err)
 	}
 	n := int(be.Uint16(p[2:]))
 	if n > MaxNameLen {
 		return fmt.Errorf("decode %v: %w: name of %d bytes, more than %d", TypeOpen, ErrBadField, n, MaxNameLen)
 	}
-	if err := fixedSize(TypeOpen, p, openFixedSize+n); err != nil {
+	h := int(be.Uint16(p[4:]))
+	if h > MaxNameLen {
+		return fmt.Errorf("decode %v: %w: host ID of %d bytes, more than %d", TypeOpen, ErrBadField, h, MaxNameLen)
+	}
+	if err := fixedSize(TypeOpen, p, openFixedSize+n+h); err != nil {
 		return err
 	}
 	m.Mode = Mode(p[0])
-	m.Name = string(p[openFixedSize:])
+	m.Name = string(p[openFixedSize : openFixedSize+n])
+	m.HostID = string(p[openFixedSize+n:])
 	if err := m.validate(); err != nil {
 		return decodeErr(TypeOpen, err)
 	}
@@ -469,7 +514,10 @@ func (m *Open) validate() error {
 	if m.Mode != ModeReadOnly && m.Mode != ModeReadWrite {
 		return fmt.Errorf("%w: mode %d", ErrBadField, m.Mode)
 	}
-	return checkName(m.Name)
+	if err := checkName(m.Name); err != nil {
+		return err
+	}
+	return checkHostID(m.HostID)
 }
 
 // VolumeInfo is the reply to Open.
@@ -489,12 +537,20 @@ type VolumeInfo struct {
 	// [i*ChunkSize, (i+1)*ChunkSize) of the volume, the last one may be
 	// shorter.
 	ChunkSize uint32
+	// Generation is the session's generation: never 0, unique within the
+	// target's lifetime, and higher than that of every earlier session of
+	// the same host ID and export. Done and Flush carry it; the target
+	// refuses those naming an older generation (CodeStale).
+	Generation uint64
 }
 
 func (m *VolumeInfo) Type() Type { return TypeVolumeInfo }
 func (m *VolumeInfo) Size() int  { return volumeInfoSize }
 func (m *VolumeInfo) validate() error {
-	return checkFlags("volume", uint32(m.Flags), uint32(volFlagsMask))
+	if err := checkFlags("volume", uint32(m.Flags), uint32(volFlagsMask)); err != nil {
+		return err
+	}
+	return checkGeneration(m.Generation)
 }
 
 func (m *VolumeInfo) MarshalTo(b []byte) int {
@@ -504,6 +560,7 @@ func (m *VolumeInfo) MarshalTo(b []byte) int {
 	be.PutUint64(b[8:], m.VolumeSize)
 	be.PutUint32(b[16:], m.BlockSize)
 	be.PutUint32(b[20:], m.ChunkSize)
+	be.PutUint64(b[24:], m.Generation)
 	return volumeInfoSize
 }
 
@@ -517,6 +574,7 @@ func (m *VolumeInfo) Unmarshal(p []byte) error {
 		VolumeSize: be.Uint64(p[8:]),
 		BlockSize:  be.Uint32(p[16:]),
 		ChunkSize:  be.Uint32(p[20:]),
+		Generation: be.Uint64(p[24:]),
 	}
 	if err := m.validate(); err != nil {
 		return decodeErr(TypeVolumeInfo, err)
@@ -683,6 +741,9 @@ type Done struct {
 	Handle uint32
 	// Flags is DoneFUA or 0.
 	Flags uint32
+	// Generation is the session's, from VolumeInfo; never 0. The target
+	// refuses a Done of an older generation with CodeStale.
+	Generation uint64
 	// Ranges are the written ranges: 1 to MaxDoneRanges of them, none empty.
 	Ranges []Range
 }
@@ -697,6 +758,7 @@ func (m *Done) MarshalTo(b []byte) int {
 	be.PutUint32(b[4:], m.Flags)
 	be.PutUint32(b[8:], uint32(len(m.Ranges)))
 	be.PutUint32(b[12:], 0)
+	be.PutUint64(b[16:], m.Generation)
 	o := b[doneFixedSize:n]
 	for _, r := range m.Ranges {
 		be.PutUint64(o[0:], r.Offset)
@@ -715,10 +777,14 @@ func (m *Done) Unmarshal(p []byte) error {
 	m.Handle = be.Uint32(p[0:])
 	m.Flags = be.Uint32(p[4:])
 	count := be.Uint32(p[8:])
+	m.Generation = be.Uint64(p[16:])
 	if err := checkFlags("done", m.Flags, doneFlagsMask); err != nil {
 		return decodeErr(TypeDone, err)
 	}
 	if err := checkReserved("reserved", be.Uint32(p[12:])); err != nil {
+		return decodeErr(TypeDone, err)
+	}
+	if err := checkGeneration(m.Generation); err != nil {
 		return decodeErr(TypeDone, err)
 	}
 	if count == 0 || count > MaxDoneRanges {
@@ -747,6 +813,9 @@ func (m *Done) validate() error {
 	if err := checkFlags("done", m.Flags, doneFlagsMask); err != nil {
 		return err
 	}
+	if err := checkGeneration(m.Generation); err != nil {
+		return err
+	}
 	if len(m.Ranges) == 0 || len(m.Ranges) > MaxDoneRanges {
 		return fmt.Errorf("%w: %d ranges", ErrBadField, len(m.Ranges))
 	}
@@ -763,40 +832,62 @@ func (m *Done) validate() error {
 // connection. The reply is OK.
 type Flush struct {
 	Handle uint32
+	// Generation is the session's, from VolumeInfo; never 0. The target
+	// refuses a Flush of an older generation with CodeStale.
+	Generation uint64
 }
 
-func (m *Flush) Type() Type               { return TypeFlush }
-func (m *Flush) Size() int                { return handleOnlySize }
-func (m *Flush) validate() error          { return nil }
-func (m *Flush) MarshalTo(b []byte) int   { return putHandle(b, m.Handle) }
-func (m *Flush) Unmarshal(p []byte) error { return getHandle(TypeFlush, p, &m.Handle) }
+func (m *Flush) Type() Type      { return TypeFlush }
+func (m *Flush) Size() int       { return flushSize }
+func (m *Flush) validate() error { return checkGeneration(m.Generation) }
+
+func (m *Flush) MarshalTo(b []byte) int {
+	_ = b[flushSize-1]
+	be.PutUint32(b[0:], m.Handle)
+	be.PutUint32(b[4:], 0)
+	be.PutUint64(b[8:], m.Generation)
+	return flushSize
+}
+
+func (m *Flush) Unmarshal(p []byte) error {
+	if err := fixedSize(TypeFlush, p, flushSize); err != nil {
+		return err
+	}
+	if err := checkReserved("reserved", be.Uint32(p[4:])); err != nil {
+		return decodeErr(TypeFlush, err)
+	}
+	m.Handle = be.Uint32(p[0:])
+	m.Generation = be.Uint64(p[8:])
+	if err := m.validate(); err != nil {
+		return decodeErr(TypeFlush, err)
+	}
+	return nil
+}
 
 // Close releases a handle and every grant under it. The reply is OK.
 type Close struct {
 	Handle uint32
 }
 
-func (m *Close) Type() Type               { return TypeClose }
-func (m *Close) Size() int                { return handleOnlySize }
-func (m *Close) validate() error          { return nil }
-func (m *Close) MarshalTo(b []byte) int   { return putHandle(b, m.Handle) }
-func (m *Close) Unmarshal(p []byte) error { return getHandle(TypeClose, p, &m.Handle) }
+func (m *Close) Type() Type      { return TypeClose }
+func (m *Close) Size() int       { return handleOnlySize }
+func (m *Close) validate() error { return nil }
 
-func putHandle(b []byte, handle uint32) int {
+func (m *Close) MarshalTo(b []byte) int {
 	_ = b[handleOnlySize-1]
-	be.PutUint32(b[0:], handle)
+	be.PutUint32(b[0:], m.Handle)
 	be.PutUint32(b[4:], 0)
 	return handleOnlySize
 }
 
-func getHandle(t Type, p []byte, handle *uint32) error {
-	if err := fixedSize(t, p, handleOnlySize); err != nil {
+func (m *Close) Unmarshal(p []byte) error {
+	if err := fixedSize(TypeClose, p, handleOnlySize); err != nil {
 		return err
 	}
 	if err := checkReserved("reserved", be.Uint32(p[4:])); err != nil {
-		return decodeErr(t, err)
+		return decodeErr(TypeClose, err)
 	}
-	*handle = be.Uint32(p[0:])
+	m.Handle = be.Uint32(p[0:])
 	return nil
 }
 

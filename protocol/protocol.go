@@ -50,8 +50,9 @@ const (
 	TypeWriteZeroes  Type = 15 // WriteZeroes: zero a range
 	TypeClose        Type = 16 // Close: release a handle
 	TypeCredit       Type = 17 // Credit: returns credits, nothing else
+	TypeKeepAlive    Type = 18 // KeepAlive: either side checks a quiet link; reply OK
 
-	typeMax = TypeCredit
+	typeMax = TypeKeepAlive
 )
 
 var typeNames = [...]string{
@@ -72,6 +73,7 @@ var typeNames = [...]string{
 	TypeWriteZeroes:  "WriteZeroes",
 	TypeClose:        "Close",
 	TypeCredit:       "Credit",
+	TypeKeepAlive:    "KeepAlive",
 }
 
 func (t Type) String() string {
@@ -139,7 +141,7 @@ func ParseHeader(b []byte) (Header, error) {
 }
 
 // Message is the payload of one message type. The pointer types of this
-// package (*Hello, *ErrorMsg, ..., *Credit) implement it.
+// package (*Hello, *ErrorMsg, ..., *Credit, *KeepAlive) implement it.
 type Message interface {
 	// Type is the message type.
 	Type() Type
@@ -251,6 +253,8 @@ func New(t Type) (Message, error) {
 		return new(Close), nil
 	case TypeCredit:
 		return new(Credit), nil
+	case TypeKeepAlive:
+		return new(KeepAlive), nil
 	}
 	return nil, fmt.Errorf("%w: %d", ErrUnknownType, uint8(t))
 }

@@ -92,20 +92,31 @@ var goldens = []golden{
 	{
 		name: "Open",
 		tag:  2,
-		msg:  &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol0"},
-		hex: "52424c4b 01 05 0000 00000008 00000000 0000000000000002" + // Open, 8 bytes, tag 2
-			"01 00 0004 766f6c30", // read-write, rsvd, "vol0"
+		msg:  &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol0", HostID: "host-a"},
+		hex: "52424c4b 01 05 0000 00000012 00000000 0000000000000002" + // Open, 18 bytes, tag 2
+			"01 00 0004 0006 0000" + // read-write, rsvd, name of 4 bytes, host ID of 6 bytes, rsvd
+			"766f6c30" + // "vol0"
+			"686f73742d61", // "host-a"
+	},
+	{
+		name: "Open/anonymous",
+		tag:  9,
+		msg:  &protocol.Open{Mode: protocol.ModeReadOnly, Name: "ro"},
+		hex: "52424c4b 01 05 0000 0000000a 00000000 0000000000000009" + // Open, 10 bytes, tag 9
+			"00 00 0002 0000 0000" + // read-only, rsvd, name of 2 bytes, no host ID, rsvd
+			"726f", // "ro"
 	},
 	{
 		name:    "VolumeInfo",
 		credits: 3,
 		tag:     2,
 		msg: &protocol.VolumeInfo{Handle: 1, Flags: protocol.VolCanTrim | protocol.VolCanZero | protocol.VolCanFlush,
-			VolumeSize: 1 << 30, BlockSize: 4096, ChunkSize: 2 << 20},
-		hex: "52424c4b 01 06 0003 00000018 00000000 0000000000000002" + // VolumeInfo, 3 credits, 24 bytes, tag 2
+			VolumeSize: 1 << 30, BlockSize: 4096, ChunkSize: 2 << 20, Generation: 0x0000000100000003},
+		hex: "52424c4b 01 06 0003 00000020 00000000 0000000000000002" + // VolumeInfo, 3 credits, 32 bytes, tag 2
 			"00000001 0000000e" + // handle 1, trim|zero|flush
 			"0000000040000000" + // 1 GiB
-			"00001000 00200000", // 4 KiB blocks, 2 MiB chunks
+			"00001000 00200000" + // 4 KiB blocks, 2 MiB chunks
+			"0000000100000003", // session generation 0x100000003
 	},
 	{
 		name: "GrantRequest",
@@ -150,21 +161,23 @@ var goldens = []golden{
 		name:    "Done",
 		credits: 5,
 		tag:     4,
-		msg: &protocol.Done{Handle: 1, Flags: protocol.DoneFUA, Ranges: []protocol.Range{
+		msg: &protocol.Done{Handle: 1, Flags: protocol.DoneFUA, Generation: 0x0000000100000003, Ranges: []protocol.Range{
 			{Offset: 0x200000, Length: 0x1000}, {Offset: 0x300000, Length: 0x200}}},
-		hex: "52424c4b 01 0b 0005 00000030 00000000 0000000000000004" + // Done, 5 credits, 48 bytes, tag 4
+		hex: "52424c4b 01 0b 0005 00000038 00000000 0000000000000004" + // Done, 5 credits, 56 bytes, tag 4
 			"00000001 00000001" + // handle 1, FUA
 			"00000002 00000000" + // 2 ranges, rsvd
+			"0000000100000003" + // session generation 0x100000003
 			"0000000000200000 0000000000001000" + // 4 KiB at 2 MiB
 			"0000000000300000 0000000000000200", // 512 bytes at 3 MiB
 	},
 	{
 		name: "Done/one",
 		tag:  5,
-		msg:  &protocol.Done{Handle: 2, Ranges: []protocol.Range{{Offset: 0, Length: 1}}},
-		hex: "52424c4b 01 0b 0000 00000020 00000000 0000000000000005" + // Done, 32 bytes, tag 5
+		msg:  &protocol.Done{Handle: 2, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}},
+		hex: "52424c4b 01 0b 0000 00000028 00000000 0000000000000005" + // Done, 40 bytes, tag 5
 			"00000002 00000000" + // handle 2, no flags
 			"00000001 00000000" + // 1 range, rsvd
+			"0000000000000001" + // session generation 1
 			"0000000000000000 0000000000000001", // 1 byte at 0
 	},
 	{
@@ -176,9 +189,10 @@ var goldens = []golden{
 	{
 		name: "Flush",
 		tag:  5,
-		msg:  &protocol.Flush{Handle: 1},
-		hex: "52424c4b 01 0d 0000 00000008 00000000 0000000000000005" + // Flush, 8 bytes, tag 5
-			"00000001 00000000", // handle 1, rsvd
+		msg:  &protocol.Flush{Handle: 1, Generation: 0x0000000100000003},
+		hex: "52424c4b 01 0d 0000 00000010 00000000 0000000000000005" + // Flush, 16 bytes, tag 5
+			"00000001 00000000" + // handle 1, rsvd
+			"0000000100000003", // session generation 0x100000003
 	},
 	{
 		name: "Trim",
@@ -208,6 +222,13 @@ var goldens = []golden{
 		credits: 16,
 		msg:     &protocol.Credit{},
 		hex:     "52424c4b 01 11 0010 00000000 00000000 0000000000000000", // Credit, 16 credits, no payload, tag 0
+	},
+	{
+		name:    "KeepAlive",
+		credits: 1,
+		tag:     0x8000000000000002,
+		msg:     &protocol.KeepAlive{},
+		hex:     "52424c4b 01 12 0001 00000000 00000000 8000000000000002", // KeepAlive, 1 credit, no payload, target's tag
 	},
 }
 
@@ -266,7 +287,7 @@ func TestGolden(t *testing.T) {
 		})
 		seen[g.msg.Type()] = true
 	}
-	for typ := protocol.TypeHello; typ <= protocol.TypeCredit; typ++ {
+	for typ := protocol.TypeHello; typ <= protocol.LastType; typ++ {
 		if !seen[typ] {
 			t.Errorf("no golden vector for %v", typ)
 		}
@@ -338,33 +359,50 @@ var bads = []bad{
 	{"too large", "52424c4b 01 0b 0000 00000fe9 00000000 0000000000000004", protocol.ErrTooLarge},
 	{"huge length", "52424c4b 01 0b 0000 ffffffff 00000000 0000000000000004", protocol.ErrTooLarge},
 	{"unknown type 0", "52424c4b 01 00 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
-	{"unknown type 18", "52424c4b 01 12 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
-	{"payload shorter than length", "52424c4b 01 0d 0000 00000008 00000000 0000000000000005 00000001", protocol.ErrTruncated},
-	{"bytes after length", "52424c4b 01 0d 0000 00000008 00000000 0000000000000005 00000001 00000000 00", protocol.ErrTrailing},
+	{"unknown type 19", "52424c4b 01 13 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
+	{"payload shorter than length", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000000", protocol.ErrTruncated},
+	{"bytes after length", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000000 0000000000000003 00", protocol.ErrTrailing},
 	{"payload too short for type", "52424c4b 01 08 0000 00000010 00000000 0000000000000003 00000001 00000001 0000000000200000", protocol.ErrTruncated},
-	{"payload too long for type", "52424c4b 01 0d 0000 0000000c 00000000 0000000000000005 00000001 00000000 00000000", protocol.ErrTrailing},
+	{"payload too long for type", "52424c4b 01 0d 0000 00000014 00000000 0000000000000005 00000001 00000000 0000000000000003 00000000", protocol.ErrTrailing},
 	{"payload on OK", "52424c4b 01 0c 0000 00000001 00000000 0000000000000004 00", protocol.ErrTrailing},
 	{"payload on Credit", "52424c4b 01 11 0000 00000004 00000000 0000000000000000 00000000", protocol.ErrTrailing},
-	{"Flush reserved", "52424c4b 01 0d 0000 00000008 00000000 0000000000000005 00000001 00000001", protocol.ErrReserved},
+	{"payload on KeepAlive", "52424c4b 01 12 0000 00000001 00000000 8000000000000002 00", protocol.ErrTrailing},
+	{"Flush reserved", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000001 0000000000000003", protocol.ErrReserved},
+	{"Flush generation 0", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000000 0000000000000000", protocol.ErrBadField},
+	{"Flush generation truncated", "52424c4b 01 0d 0000 0000000c 00000000 0000000000000005 00000001 00000000 00000000", protocol.ErrTruncated},
+	{"Flush without generation", "52424c4b 01 0d 0000 00000008 00000000 0000000000000005 00000001 00000000", protocol.ErrTruncated},
+	{"Close reserved", "52424c4b 01 10 0000 00000008 00000000 0000000000000008 00000001 00000001", protocol.ErrReserved},
+	{"Close too long", "52424c4b 01 10 0000 00000010 00000000 0000000000000008 00000001 00000000 0000000000000003", protocol.ErrTrailing},
 	{"Revoke reserved", "52424c4b 01 09 0000 00000018 00000000 0000000000000001 00000001 80000000 0000000000200000 0000000000000007", protocol.ErrReserved},
-	{"Open reserved", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 01 01 0004 766f6c30", protocol.ErrReserved},
+	{"Open reserved", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 01 0004 0000 0000 766f6c30", protocol.ErrReserved},
+	{"Open reserved 2", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 00 0004 0000 0001 766f6c30", protocol.ErrReserved},
 	{"Hello reserved", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 01 01 0001 00000000 0040 0000 00001000", protocol.ErrReserved},
 	{"Hello reserved 2", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 01 01 0000 00000000 0040 8000 00001000", protocol.ErrReserved},
 	{"Hello min > max", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 02 01 0000 00000000 0040 0000 00001000", protocol.ErrBadField},
 	{"Hello min 0", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 00 01 0000 00000000 0040 0000 00001000", protocol.ErrBadField},
 	{"GrantRequest undefined flag", "52424c4b 01 07 0000 00000010 00000000 0000000000000003 00000001 00000002 0000000000300123", protocol.ErrReserved},
 	{"Grant undefined flag", "52424c4b 01 08 0000 00000028 00000000 0000000000000003 00000001 80000001 0000000000200000 00007f1234560000 deadbeef 00200000 0000000000000007", protocol.ErrReserved},
-	{"VolumeInfo undefined flag", "52424c4b 01 06 0000 00000018 00000000 0000000000000002 00000001 00000010 0000000040000000 00001000 00200000", protocol.ErrReserved},
+	{"VolumeInfo undefined flag", "52424c4b 01 06 0000 00000020 00000000 0000000000000002 00000001 00000010 0000000040000000 00001000 00200000 0000000000000003", protocol.ErrReserved},
+	{"VolumeInfo generation 0", "52424c4b 01 06 0000 00000020 00000000 0000000000000002 00000001 0000000e 0000000040000000 00001000 00200000 0000000000000000", protocol.ErrBadField},
+	{"VolumeInfo generation truncated", "52424c4b 01 06 0000 0000001c 00000000 0000000000000002 00000001 0000000e 0000000040000000 00001000 00200000 00000003", protocol.ErrTruncated},
+	{"VolumeInfo without generation", "52424c4b 01 06 0000 00000018 00000000 0000000000000002 00000001 0000000e 0000000040000000 00001000 00200000", protocol.ErrTruncated},
 	{"Trim no-hole", "52424c4b 01 0e 0000 00000018 00000000 0000000000000006 00000001 00000002 0000000000100000 0000000000010000", protocol.ErrReserved},
 	{"Trim wraps", "52424c4b 01 0e 0000 00000018 00000000 0000000000000006 00000001 00000000 ffffffffffff0000 0000000000010000", protocol.ErrBadField},
 	{"WriteZeroes undefined flag", "52424c4b 01 0f 0000 00000018 00000000 0000000000000007 00000001 00000004 0000000000000000 0000000000001000", protocol.ErrReserved},
-	{"Open empty name", "52424c4b 01 05 0000 00000004 00000000 0000000000000002 01 00 0000", protocol.ErrBadField},
-	{"Open name with NUL", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 01 00 0004 766f0030", protocol.ErrBadField},
-	{"Open name not UTF-8", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 01 00 0004 766fff30", protocol.ErrBadField},
-	{"Open name too long", "52424c4b 01 05 0000 00000004 00000000 0000000000000002 01 00 0100", protocol.ErrBadField},
-	{"Open name truncated", "52424c4b 01 05 0000 00000007 00000000 0000000000000002 01 00 0004 766f6c", protocol.ErrTruncated},
-	{"Open name trailing", "52424c4b 01 05 0000 00000009 00000000 0000000000000002 01 00 0004 766f6c30 00", protocol.ErrTrailing},
-	{"Open mode 2", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 02 00 0004 766f6c30", protocol.ErrBadField},
+	{"Open empty name", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 01 00 0000 0000 0000", protocol.ErrBadField},
+	{"Open empty name with host ID", "52424c4b 01 05 0000 0000000e 00000000 0000000000000002 01 00 0000 0006 0000 686f73742d61", protocol.ErrBadField},
+	{"Open name with NUL", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 00 0004 0000 0000 766f0030", protocol.ErrBadField},
+	{"Open name not UTF-8", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 00 0004 0000 0000 766fff30", protocol.ErrBadField},
+	{"Open name too long", "52424c4b 01 05 0000 00000008 00000000 0000000000000002 01 00 0100 0000 0000", protocol.ErrBadField},
+	{"Open name truncated", "52424c4b 01 05 0000 0000000b 00000000 0000000000000002 01 00 0004 0000 0000 766f6c", protocol.ErrTruncated},
+	{"Open name trailing", "52424c4b 01 05 0000 0000000d 00000000 0000000000000002 01 00 0004 0000 0000 766f6c30 00", protocol.ErrTrailing},
+	{"Open mode 2", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 02 00 0004 0000 0000 766f6c30", protocol.ErrBadField},
+	{"Open fixed part truncated", "52424c4b 01 05 0000 00000006 00000000 0000000000000002 01 00 0004 0006", protocol.ErrTruncated},
+	{"Open host ID with NUL", "52424c4b 01 05 0000 00000012 00000000 0000000000000002 01 00 0004 0006 0000 766f6c30 686f7300 2d61", protocol.ErrBadField},
+	{"Open host ID not UTF-8", "52424c4b 01 05 0000 00000012 00000000 0000000000000002 01 00 0004 0006 0000 766f6c30 686f73ff 2d61", protocol.ErrBadField},
+	{"Open host ID too long", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 00 0004 0100 0000 766f6c30", protocol.ErrBadField},
+	{"Open host ID truncated", "52424c4b 01 05 0000 00000011 00000000 0000000000000002 01 00 0004 0006 0000 766f6c30 686f73742d", protocol.ErrTruncated},
+	{"Open host ID trailing", "52424c4b 01 05 0000 00000013 00000000 0000000000000002 01 00 0004 0006 0000 766f6c30 686f73742d61 00", protocol.ErrTrailing},
 	{"ExportList empty name", "52424c4b 01 04 0000 0000000f 00000000 0000000000000001 0001 00 0000000040000000 0000000e", protocol.ErrBadField},
 	{"ExportList bad name", "52424c4b 01 04 0000 00000010 00000000 0000000000000001 0001 01 c3 0000000040000000 0000000e", protocol.ErrBadField},
 	{"ExportList undefined flag", "52424c4b 01 04 0000 00000010 00000000 0000000000000001 0001 01 61 0000000040000000 0000001e", protocol.ErrReserved},
@@ -375,15 +413,18 @@ var bads = []bad{
 	{"Error text not UTF-8", "52424c4b 01 02 0000 00000007 00000000 0000000000000001 00000005 0001 80", protocol.ErrBadField},
 	{"Error text too long", "52424c4b 01 02 0000 00000006 00000000 0000000000000001 00000005 0401", protocol.ErrBadField},
 	{"Error text truncated", "52424c4b 01 02 0000 00000007 00000000 0000000000000001 00000005 0002 61", protocol.ErrTruncated},
-	{"Done 0 ranges", "52424c4b 01 0b 0000 00000010 00000000 0000000000000004 00000001 00000000 00000000 00000000", protocol.ErrBadField},
-	{"Done 254 ranges", "52424c4b 01 0b 0000 00000010 00000000 0000000000000004 00000001 00000000 000000fe 00000000", protocol.ErrBadField},
-	{"Done count beyond payload", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000002 00000000 0000000000000000 0000000000000001", protocol.ErrTruncated},
-	{"Done count 0 with a range", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000000 00000000 0000000000000000 0000000000000001", protocol.ErrBadField},
-	{"Done extra range", "52424c4b 01 0b 0000 00000030 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000000000 0000000000000001 0000000000000000 0000000000000001", protocol.ErrTrailing},
-	{"Done empty range", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000001000 0000000000000000", protocol.ErrBadField},
-	{"Done range wraps", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000001 00000000 fffffffffffff000 0000000000001000", protocol.ErrBadField},
-	{"Done undefined flag", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000002 00000001 00000000 0000000000000000 0000000000000001", protocol.ErrReserved},
-	{"Done reserved", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000001 00000001 0000000000000000 0000000000000001", protocol.ErrReserved},
+	{"Done 0 ranges", "52424c4b 01 0b 0000 00000018 00000000 0000000000000004 00000001 00000000 00000000 00000000 0000000000000003", protocol.ErrBadField},
+	{"Done 254 ranges", "52424c4b 01 0b 0000 00000018 00000000 0000000000000004 00000001 00000000 000000fe 00000000 0000000000000003", protocol.ErrBadField},
+	{"Done count beyond payload", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000002 00000000 0000000000000003 0000000000000000 0000000000000001", protocol.ErrTruncated},
+	{"Done count 0 with a range", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000000 00000000 0000000000000003 0000000000000000 0000000000000001", protocol.ErrBadField},
+	{"Done extra range", "52424c4b 01 0b 0000 00000038 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000000003 0000000000000000 0000000000000001 0000000000000000 0000000000000001", protocol.ErrTrailing},
+	{"Done empty range", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000000003 0000000000001000 0000000000000000", protocol.ErrBadField},
+	{"Done range wraps", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000000003 fffffffffffff000 0000000000001000", protocol.ErrBadField},
+	{"Done undefined flag", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000002 00000001 00000000 0000000000000003 0000000000000000 0000000000000001", protocol.ErrReserved},
+	{"Done reserved", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000001 00000001 0000000000000003 0000000000000000 0000000000000001", protocol.ErrReserved},
+	{"Done generation 0", "52424c4b 01 0b 0000 00000028 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000000000 0000000000000000 0000000000000001", protocol.ErrBadField},
+	{"Done generation truncated", "52424c4b 01 0b 0000 00000014 00000000 0000000000000004 00000001 00000000 00000001 00000000 00000000", protocol.ErrTruncated},
+	{"Done without generation", "52424c4b 01 0b 0000 00000020 00000000 0000000000000004 00000001 00000000 00000001 00000000 0000000000001000 0000000000000200", protocol.ErrTruncated},
 }
 
 func TestDecodeErrors(t *testing.T) {
@@ -472,20 +513,26 @@ func TestAppendErrors(t *testing.T) {
 		{"Open NUL", &protocol.Open{Name: "a\x00b"}, protocol.ErrBadField},
 		{"Open not UTF-8", &protocol.Open{Name: "a\xffb"}, protocol.ErrBadField},
 		{"Open mode", &protocol.Open{Mode: 7, Name: "vol0"}, protocol.ErrBadField},
+		{"Open host ID too long", &protocol.Open{Name: "vol0", HostID: long}, protocol.ErrBadField},
+		{"Open host ID NUL", &protocol.Open{Name: "vol0", HostID: "h\x00"}, protocol.ErrBadField},
+		{"Open host ID not UTF-8", &protocol.Open{Name: "vol0", HostID: "h\xff"}, protocol.ErrBadField},
 		{"ExportList name too long", &protocol.ExportList{Exports: []protocol.ExportEntry{{Name: long}}}, protocol.ErrBadField},
 		{"ExportList too large", &protocol.ExportList{Exports: many}, protocol.ErrTooLarge},
 		{"ExportList flags", &protocol.ExportList{Exports: []protocol.ExportEntry{{Name: "a", Flags: 1 << 9}}}, protocol.ErrReserved},
-		{"Done no ranges", &protocol.Done{Handle: 1}, protocol.ErrBadField},
-		{"Done too many ranges", &protocol.Done{Handle: 1, Ranges: ranges(protocol.MaxDoneRanges + 1)}, protocol.ErrBadField},
-		{"Done empty range", &protocol.Done{Handle: 1, Ranges: []protocol.Range{{Offset: 1}}}, protocol.ErrBadField},
-		{"Done flags", &protocol.Done{Handle: 1, Flags: 4, Ranges: ranges(1)}, protocol.ErrReserved},
+		{"Done no ranges", &protocol.Done{Handle: 1, Generation: 1}, protocol.ErrBadField},
+		{"Done too many ranges", &protocol.Done{Handle: 1, Generation: 1, Ranges: ranges(protocol.MaxDoneRanges + 1)}, protocol.ErrBadField},
+		{"Done empty range", &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 1}}}, protocol.ErrBadField},
+		{"Done flags", &protocol.Done{Handle: 1, Flags: 4, Generation: 1, Ranges: ranges(1)}, protocol.ErrReserved},
+		{"Done generation 0", &protocol.Done{Handle: 1, Ranges: ranges(1)}, protocol.ErrBadField},
+		{"Flush generation 0", &protocol.Flush{Handle: 1}, protocol.ErrBadField},
 		{"Error text too long", &protocol.ErrorMsg{Code: protocol.CodeIO, Text: strings.Repeat("x", protocol.MaxErrorText+1)}, protocol.ErrBadField},
 		{"Error text not UTF-8", &protocol.ErrorMsg{Code: protocol.CodeIO, Text: "\xff"}, protocol.ErrBadField},
 		{"Error code 0", &protocol.ErrorMsg{Text: "x"}, protocol.ErrBadField},
 		{"Hello versions", &protocol.Hello{MinVersion: 2, MaxVersion: 1}, protocol.ErrBadField},
 		{"GrantRequest flags", &protocol.GrantRequest{Flags: 2}, protocol.ErrReserved},
 		{"Grant flags", &protocol.Grant{Flags: 2}, protocol.ErrReserved},
-		{"VolumeInfo flags", &protocol.VolumeInfo{Flags: 16}, protocol.ErrReserved},
+		{"VolumeInfo flags", &protocol.VolumeInfo{Flags: 16, Generation: 1}, protocol.ErrReserved},
+		{"VolumeInfo generation 0", &protocol.VolumeInfo{Handle: 1}, protocol.ErrBadField},
 		{"Trim no-hole", &protocol.Trim{Flags: protocol.FlagNoHole}, protocol.ErrReserved},
 		{"WriteZeroes wraps", &protocol.WriteZeroes{Offset: 1 << 63, Length: 1 << 63}, protocol.ErrBadField},
 		{"foreign message", foreign{}, protocol.ErrUnknownType},
@@ -516,7 +563,7 @@ func TestLimits(t *testing.T) {
 	if protocol.MaxDoneRanges != 253 {
 		t.Errorf("MaxDoneRanges = %d", protocol.MaxDoneRanges)
 	}
-	d := &protocol.Done{Handle: 1, Ranges: make([]protocol.Range, protocol.MaxDoneRanges)}
+	d := &protocol.Done{Handle: 1, Generation: 1, Ranges: make([]protocol.Range, protocol.MaxDoneRanges)}
 	for i := range d.Ranges {
 		d.Ranges[i] = protocol.Range{Offset: uint64(i), Length: 1}
 	}
@@ -540,7 +587,7 @@ func TestLimits(t *testing.T) {
 	// The largest Error and Open fit.
 	for _, m := range []protocol.Message{
 		&protocol.ErrorMsg{Code: protocol.CodeIO, Text: strings.Repeat("é", protocol.MaxErrorText/2)},
-		&protocol.Open{Name: strings.Repeat("n", protocol.MaxNameLen)},
+		&protocol.Open{Name: strings.Repeat("n", protocol.MaxNameLen), HostID: strings.Repeat("h", protocol.MaxNameLen)},
 		&protocol.ExportList{Exports: []protocol.ExportEntry{{Name: strings.Repeat("n", protocol.MaxNameLen)}}},
 	} {
 		b, err := protocol.Append(nil, 0, 0, m)
@@ -555,7 +602,7 @@ func TestLimits(t *testing.T) {
 }
 
 func TestNew(t *testing.T) {
-	for typ := protocol.TypeHello; typ <= protocol.TypeCredit; typ++ {
+	for typ := protocol.TypeHello; typ <= protocol.LastType; typ++ {
 		m, err := protocol.New(typ)
 		if err != nil || m.Type() != typ {
 			t.Errorf("New(%v) = %v, %v", typ, m, err)
@@ -564,7 +611,7 @@ func TestNew(t *testing.T) {
 			t.Errorf("%d has no name", typ)
 		}
 	}
-	for _, typ := range []protocol.Type{0, protocol.TypeCredit + 1, 255} {
+	for _, typ := range []protocol.Type{0, protocol.LastType + 1, 255} {
 		if _, err := protocol.New(typ); !errors.Is(err, protocol.ErrUnknownType) {
 			t.Errorf("New(%d) = %v", typ, err)
 		}
@@ -756,11 +803,14 @@ func TestStrings(t *testing.T) {
 func TestHotPathDoesNotAllocate(t *testing.T) {
 	done := goldenBytes(t, "Done")
 	grant := goldenBytes(t, "Grant")
+	flush := goldenBytes(t, "Flush")
 	buf := make([]byte, 0, protocol.MaxMessageSize)
 	var d protocol.Done
 	var g protocol.Grant
+	var f protocol.Flush
 	req := &protocol.GrantRequest{Handle: 1, Flags: protocol.GrantWrite, Offset: 42}
-	dm := &protocol.Done{Handle: 1, Ranges: []protocol.Range{{Offset: 0, Length: 4096}}}
+	dm := &protocol.Done{Handle: 1, Generation: 3, Ranges: []protocol.Range{{Offset: 0, Length: 4096}}}
+	fm := &protocol.Flush{Handle: 1, Generation: 3}
 	allocs := testing.AllocsPerRun(100, func() {
 		h, err := protocol.ParseHeader(done)
 		if err != nil {
@@ -772,10 +822,16 @@ func TestHotPathDoesNotAllocate(t *testing.T) {
 		if err := g.Unmarshal(grant[protocol.HeaderSize:]); err != nil {
 			panic(err)
 		}
+		if err := f.Unmarshal(flush[protocol.HeaderSize:]); err != nil {
+			panic(err)
+		}
 		if buf, err = protocol.Append(buf[:0], 1, 2, req); err != nil {
 			panic(err)
 		}
 		if buf, err = protocol.Append(buf[:0], 1, 2, dm); err != nil {
+			panic(err)
+		}
+		if buf, err = protocol.Append(buf[:0], 1, 2, fm); err != nil {
 			panic(err)
 		}
 	})
