@@ -3,12 +3,16 @@ package initiator_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/target/targettest"
 )
@@ -95,4 +99,81 @@ func firstDiff(got, want []byte) string {
 		return fmt.Sprintf("%d bytes, want %d", len(got), len(want))
 	}
 	return "the same bytes"
+}
+
+// TestPlannedRestartOnSlowDisk: a target stopped with much unflushed data on
+// a slow disk drains its initiators for as long as their flushes make
+// progress, so after the restart nothing is reported lost and the data is
+// there (before, a fixed drain time closed the sessions in the middle of
+// the initiator's flush, and its next FLUSH failed with EIO).
+func TestPlannedRestartOnSlowDisk(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "vol.img")
+	const size = 8 << 20
+	var disk *targettest.DiskStore
+	slow := func(o *target.Options) {
+		o.DrainTimeout = 300 * time.Millisecond // no progress for this long ends the drain
+		o.WrapStore = func(_ string, f *os.File) target.Store {
+			d, err := targettest.NewDiskStore(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			d.SetDelays(40*time.Millisecond, 0)
+			disk = d
+			return d
+		}
+	}
+	r := startTargetAt(t, path, "127.0.0.1:0", size, 16<<20, 64<<10, false, slow)
+	addr := r.addr
+	v := r.openWith(initiator.Options{ReconnectTimeout: 30 * time.Second})
+	// 100 writes in 100 chunks: 100 write-backs of 40 ms, 4 s, far more
+	// than the drain timeout.
+	want := make([]byte, size)
+	for i := range 100 {
+		off := uint64(i)*(64<<10) + 512
+		data := bytes.Repeat([]byte{byte(i + 1)}, 4096)
+		copy(want[off:], data)
+		if err := write(t, v, off, data, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.stop()
+	if got := disk.Durable(0, size); !bytes.Equal(got, want) {
+		t.Fatalf("after a clean stop the disk holds %s", firstDiff(got, want))
+	}
+	startTargetAt(t, path, addr, size, 16<<20, 64<<10, false)
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatalf("flush after a planned restart: %v", err)
+	}
+	got, err := read(t, v, 0, size)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read after the restart: %v, %s", err, firstDiff(got, want))
+	}
+}
+
+// TestLongErrorTextReply: a write-back error whose text is longer than an
+// Error message holds, cut inside a UTF-8 sequence, still reaches the
+// initiator as an error (before, the reply failed to encode and the FLUSH
+// waited forever).
+func TestLongErrorTextReply(t *testing.T) {
+	r, disk := slowDisk(t, 1<<20, 2<<20, 64<<10, 0, 0)
+	v := r.open(false)
+	for pad := range 3 {
+		if err := write(t, v, uint64(pad)*4096, []byte("data"), false); err != nil {
+			t.Fatal(err)
+		}
+		disk.FailWrites(errors.New(strings.Repeat("x", pad) + strings.Repeat("€", 700)))
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		err := v.Flush(ctx)
+		cancel()
+		if err == nil || errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("pad %d: flush with a failing disk: %v, want the disk's error", pad, err)
+		}
+		if !strings.Contains(err.Error(), "€€€") {
+			t.Fatalf("pad %d: error %q does not carry the disk's text", pad, err)
+		}
+		disk.FailWrites(nil)
+		if err := v.Flush(context.Background()); err != nil {
+			t.Fatalf("pad %d: flush once the disk works again: %v", pad, err)
+		}
+	}
 }

@@ -28,6 +28,16 @@ const (
 	// DefaultReconnectTimeout is how long IO waits for the target to come
 	// back after the connection is lost.
 	DefaultReconnectTimeout = 2 * time.Minute
+	// DefaultKeepAlive is how long the link to the target may stay silent
+	// before it is declared dead (probed after a third of it), as NVMe's
+	// keep-alive timeout.
+	DefaultKeepAlive = 15 * time.Second
+	// DefaultIOTimeout bounds every request to the target but flushes: a
+	// grant, an RDMA READ or WRITE, a trim.
+	DefaultIOTimeout = 30 * time.Second
+	// DefaultFlushTimeout bounds a flush (or FUA write), which waits for
+	// the target's write-back to a possibly slow disk.
+	DefaultFlushTimeout = 2 * time.Minute
 )
 
 // Options configure Open.
@@ -37,6 +47,12 @@ type Options struct {
 	Target   string
 	// Export is the volume's name.
 	Export string
+	// HostID is this host's stable identity (see HostID in package
+	// protocol). When the volume reconnects, or the host attaches again
+	// after a crash, the target fences every earlier session of the same
+	// host ID and export before the new one does IO. Empty: anonymous, no
+	// fencing.
+	HostID string
 	// ReadOnly opens the volume for reading only.
 	ReadOnly bool
 	// PoolSize is the registered memory for IO buffers (default
@@ -47,6 +63,16 @@ type Options struct {
 	// the connection to the target is lost, while IO waits. Zero means
 	// DefaultReconnectTimeout; negative means no reconnection.
 	ReconnectTimeout time.Duration
+	// KeepAlive is how long the link may stay silent before it is taken
+	// down and the reconnect path runs. Zero means DefaultKeepAlive;
+	// negative disables it.
+	KeepAlive time.Duration
+	// IOTimeout bounds each request but flushes; FlushTimeout bounds
+	// flushes and FUA writes. A request not answered in time takes the
+	// link down (the reconnect path runs and the request is done again).
+	// Zero means DefaultIOTimeout and DefaultFlushTimeout.
+	IOTimeout    time.Duration
+	FlushTimeout time.Duration
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Metrics, if not nil, are updated; see NewMetrics.
@@ -136,6 +162,15 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	if opts.ReconnectTimeout == 0 {
 		opts.ReconnectTimeout = DefaultReconnectTimeout
 	}
+	if opts.KeepAlive == 0 {
+		opts.KeepAlive = DefaultKeepAlive
+	}
+	if opts.IOTimeout <= 0 {
+		opts.IOTimeout = DefaultIOTimeout
+	}
+	if opts.FlushTimeout <= 0 {
+		opts.FlushTimeout = DefaultFlushTimeout
+	}
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
@@ -173,7 +208,8 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 // connect dials the target, opens the volume and registers the IO buffers.
 func (v *Volume) connect(ctx context.Context) (*session, error) {
 	s := &session{v: v, grants: make(map[uint64]*grant)}
-	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log})
+	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
+		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
 	if err != nil {
 		return nil, err
 	}
@@ -182,12 +218,12 @@ func (v *Volume) connect(ctx context.Context) (*session, error) {
 	if v.opts.ReadOnly {
 		mode = protocol.ModeReadOnly
 	}
-	err = l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export}, &s.info)
+	err = l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
 	if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
 		// A read-only export: attach it read-only, as a disk with its
 		// write-protect switch on.
 		v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
-		err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export}, &s.info)
+		err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
 	}
 	if err != nil {
 		l.Close()
@@ -329,6 +365,9 @@ func (v *Volume) current(ctx context.Context) (*session, error) {
 			s.inflight++
 			return s, nil
 		}
+		// Reconnecting, draining, or the link just went down and
+		// supervise has not noticed yet: changed is closed when the next
+		// session is in place or the volume fails.
 		ch := v.changed
 		v.mu.Unlock()
 		select {
@@ -336,7 +375,6 @@ func (v *Volume) current(ctx context.Context) (*session, error) {
 		case <-ctx.Done():
 			v.mu.Lock()
 			return nil, ctx.Err()
-		case <-time.After(100 * time.Millisecond): // the link went down, supervise has not noticed yet
 		}
 		v.mu.Lock()
 	}
@@ -423,9 +461,7 @@ func (s *session) drain() {
 	}
 	v.mu.Unlock()
 	writes := v.writes.Load()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := s.link.Request(ctx, &protocol.Flush{Handle: s.info.Handle}, &protocol.OK{}); err == nil {
+	if err := s.link.RequestWithin(context.Background(), v.opts.FlushTimeout, s.flushMsg(), &protocol.OK{}); err == nil {
 		v.mu.Lock()
 		v.flushedAt = max(v.flushedAt, writes)
 		v.mu.Unlock()
@@ -677,7 +713,7 @@ func (v *Volume) WriteAt(ctx context.Context, nb *nbd.Buffer, off uint64, fua bo
 // retry runs op on the current session until it succeeds, fails for a
 // reason other than a lost connection, or no session comes back.
 func (v *Volume) retry(ctx context.Context, what string, op func(*session) error) error {
-	for attempt := 0; ; attempt++ {
+	for {
 		s, err := v.current(ctx)
 		if err != nil {
 			v.m.errors.WithLabelValues(what).Inc()
@@ -690,9 +726,6 @@ func (v *Volume) retry(ctx context.Context, what string, op func(*session) error
 			return nil
 		case errors.Is(err, link.ErrDown) && v.opts.ReconnectTimeout >= 0 && ctx.Err() == nil:
 			continue // done again once reconnected
-		case errors.Is(err, transport.ErrQueueFull) && attempt < 1000:
-			time.Sleep(time.Duration(min(attempt+1, 20)) * 50 * time.Microsecond)
-			continue
 		}
 		v.m.errors.WithLabelValues(what).Inc()
 		return v.mapErr(fmt.Errorf("%s: %w", what, err))
@@ -777,15 +810,20 @@ func (v *Volume) plan(b *ioBuf, off, n uint64) {
 func (s *session) done(ctx context.Context, b *ioBuf, off, n uint64, fua bool) error {
 	d := &b.done
 	b.ranges[0] = protocol.Range{Offset: off, Length: n}
-	*d = protocol.Done{Handle: s.info.Handle, Ranges: b.ranges[:]}
+	*d = protocol.Done{Handle: s.info.Handle, Generation: s.info.Generation, Ranges: b.ranges[:]}
 	if !fua {
 		return s.link.Send(ctx, 0, d)
 	}
 	d.Flags = protocol.DoneFUA
 	start := time.Now()
-	err := s.link.Request(ctx, d, &protocol.OK{})
+	err := s.link.RequestWithin(ctx, s.v.opts.FlushTimeout, d, &protocol.OK{})
 	s.v.m.controlSeconds.WithLabelValues("fua").Observe(time.Since(start).Seconds())
 	return err
+}
+
+// flushMsg is the Flush of the session's handle and generation.
+func (s *session) flushMsg() protocol.Message {
+	return &protocol.Flush{Handle: s.info.Handle, Generation: s.info.Generation}
 }
 
 // mapErr turns an error into one whose errno the NBD server can report.
@@ -811,11 +849,12 @@ func (v *Volume) mapErr(err error) error {
 	return fmt.Errorf("%w: %w", code, err)
 }
 
-// control sends a request whose reply is OK, again after a reconnection.
-func (v *Volume) control(ctx context.Context, op string, mk func(handle uint32) protocol.Message) error {
+// control sends a request whose reply is OK, again after a reconnection,
+// waiting at most timeout for each reply.
+func (v *Volume) control(ctx context.Context, op string, timeout time.Duration, mk func(s *session) protocol.Message) error {
 	start := time.Now()
 	err := v.retry(ctx, op, func(s *session) error {
-		return s.link.Request(ctx, mk(s.info.Handle), &protocol.OK{})
+		return s.link.RequestWithin(ctx, timeout, mk(s), &protocol.OK{})
 	})
 	v.m.controlSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
 	return err
@@ -826,7 +865,7 @@ func (v *Volume) control(ctx context.Context, op string, mk func(handle uint32) 
 // once with EIO (ErrLostWrites).
 func (v *Volume) Flush(ctx context.Context) error {
 	writes := v.writes.Load()
-	if err := v.control(ctx, "flush", func(h uint32) protocol.Message { return &protocol.Flush{Handle: h} }); err != nil {
+	if err := v.control(ctx, "flush", v.opts.FlushTimeout, (*session).flushMsg); err != nil {
 		return err
 	}
 	v.mu.Lock()
@@ -852,8 +891,8 @@ func (v *Volume) Trim(ctx context.Context, off, n uint64, fua bool) error {
 	if fua {
 		flags = protocol.FlagFUA
 	}
-	return v.control(ctx, "trim", func(h uint32) protocol.Message {
-		return &protocol.Trim{Handle: h, Flags: flags, Offset: off, Length: n}
+	return v.control(ctx, "trim", v.opts.IOTimeout, func(s *session) protocol.Message {
+		return &protocol.Trim{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }
 
@@ -872,8 +911,8 @@ func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua boo
 	if noHole {
 		flags |= protocol.FlagNoHole
 	}
-	return v.control(ctx, "write_zeroes", func(h uint32) protocol.Message {
-		return &protocol.WriteZeroes{Handle: h, Flags: flags, Offset: off, Length: n}
+	return v.control(ctx, "write_zeroes", v.opts.IOTimeout, func(s *session) protocol.Message {
+		return &protocol.WriteZeroes{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -48,6 +49,7 @@ type chunk struct {
 	state  chunkState
 	loaded chan struct{} // closed when loading ends
 	pins   int           // grants being set up; a pinned chunk is not evicted
+	leaked bool          // a grant's deregistration failed: the slot is never reused
 	elem   *list.Element // place in the LRU list while ready
 
 	holders map[*session]holder // guarded by cache.mu
@@ -80,10 +82,23 @@ func (ch *chunk) clearDirty(from, to uint64) {
 // volumes. Memory is one mapping of slots*chunkSize bytes.
 type cache struct {
 	chunkSize int
+	slots     int
 	mem       *transport.Memory
 	log       *zap.Logger
 	m         *Metrics
 	revokeTTL time.Duration
+	// patience is how long a grant waiting for a free slot waits on one
+	// eviction before it starts another: a holder slow to answer a revoke
+	// does not stall the others.
+	patience time.Duration
+	// sessions counts the sessions that hold grants or may ask for them,
+	// for the fair share.
+	sessions atomic.Int64
+	progress *atomic.Uint64 // the target's drain progress: bumped per write-back
+
+	ctx    context.Context // the evictions' lifetime: ends when the target closes
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // evictions
 
 	mu     sync.Mutex
 	cond   *sync.Cond
@@ -93,7 +108,13 @@ type cache struct {
 	gen    uint64
 }
 
-func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL time.Duration) (*cache, error) {
+// eviction is the outcome of one eviction, guarded by cache.mu.
+type eviction struct {
+	finished bool
+	err      error
+}
+
+func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL time.Duration, progress *atomic.Uint64) (*cache, error) {
 	slots := int(size / int64(chunkSize))
 	if slots < 4 {
 		return nil, fmt.Errorf("cache of %d bytes holds %d chunks of %d bytes: need at least 4", size, slots, chunkSize)
@@ -102,7 +123,9 @@ func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL 
 	if err != nil {
 		return nil, fmt.Errorf("cache: %w", err)
 	}
-	c := &cache{chunkSize: chunkSize, mem: mem, log: log, m: m, revokeTTL: revokeTTL, chunks: make(map[chunkKey]*chunk)}
+	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
+		patience: min(revokeTTL/20, 250*time.Millisecond), chunks: make(map[chunkKey]*chunk)}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.cond = sync.NewCond(&c.mu)
 	for i := slots - 1; i >= 0; i-- {
 		c.free = append(c.free, i)
@@ -115,23 +138,36 @@ func (c *cache) slotBytes(slot int) []byte {
 	return c.mem.Bytes()[slot*c.chunkSize : (slot+1)*c.chunkSize]
 }
 
-// wait waits on c.cond, waking up when ctx ends. c.mu is held.
-func (c *cache) wait(ctx context.Context) error {
-	stop := context.AfterFunc(ctx, func() {
+// wait waits on c.cond, waking up when ctx ends or, if d > 0, after d.
+// c.mu is held.
+func (c *cache) wait(ctx context.Context, d time.Duration) error {
+	wake := func() {
 		c.mu.Lock()
 		c.cond.Broadcast()
 		c.mu.Unlock()
-	})
+	}
+	stop := context.AfterFunc(ctx, wake)
+	if d > 0 {
+		t := time.AfterFunc(d, wake)
+		defer t.Stop()
+	}
 	c.cond.Wait()
 	stop()
 	return ctx.Err()
 }
 
-// get returns chunk idx of v, loaded and pinned. The caller unpins it.
-func (c *cache) get(ctx context.Context, v *volume, idx uint64) (*chunk, error) {
+// get returns chunk idx of v, loaded and pinned, for session s (which may
+// be nil). The caller unpins it. When the cache is full it evicts: a chunk
+// of s's own if s holds more than its fair share, else the least recently
+// granted chunk, preferring chunks whose holders answer revokes; if that
+// eviction has not freed a slot after c.patience it starts another, so a
+// holder slow to answer does not stall the rest.
+func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*chunk, error) {
 	key := chunkKey{v, idx}
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	var ev *eviction // the eviction this call started last
+	var started time.Time
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, err
@@ -151,25 +187,31 @@ func (c *cache) get(ctx context.Context, v *volume, idx uint64) (*chunk, error) 
 				}
 				c.mu.Lock()
 			case chunkEvicting:
-				if err := c.wait(ctx); err != nil {
+				if err := c.wait(ctx, 0); err != nil {
 					return nil, err
 				}
 			}
 			continue
 		}
 		if len(c.free) == 0 {
-			victim := c.victim()
-			if victim == nil {
-				// Every chunk is loading, pinned or being evicted.
-				if err := c.wait(ctx); err != nil {
-					return nil, err
-				}
-				continue
+			if ev != nil && ev.finished && ev.err != nil {
+				return nil, ev.err
 			}
-			c.mu.Unlock()
-			err := c.evict(ctx, victim)
-			c.mu.Lock()
-			if err != nil {
+			if ev == nil || ev.finished || time.Since(started) >= c.patience {
+				if victim := c.victim(s); victim != nil {
+					ev, started = &eviction{}, time.Now()
+					c.wg.Add(1)
+					go func(ev *eviction) {
+						defer c.wg.Done()
+						err := c.evict(victim)
+						c.mu.Lock()
+						ev.finished, ev.err = true, err
+						c.cond.Broadcast()
+						c.mu.Unlock()
+					}(ev)
+				}
+			}
+			if err := c.wait(ctx, c.patience); err != nil {
 				return nil, err
 			}
 			continue
@@ -200,6 +242,18 @@ func (c *cache) get(ctx context.Context, v *volume, idx uint64) (*chunk, error) 
 	}
 }
 
+// share is how many chunks one session may hold while others wait for the
+// cache: an equal part of it, a quarter of that while the session's host
+// is penalized for not answering revokes.
+func (c *cache) share(s *session) int {
+	n := max(c.sessions.Load(), 1)
+	sh := max(c.slots/int(n), 1)
+	if s.penalized() {
+		sh = max(sh/4, 1)
+	}
+	return sh
+}
+
 func (c *cache) load(v *volume, ch *chunk) error {
 	start := time.Now()
 	v.ioMu.RLock()
@@ -214,19 +268,55 @@ func (c *cache) load(v *volume, ch *chunk) error {
 	return nil
 }
 
-// victim picks the least recently granted chunk that is not pinned and marks
-// it evicting. c.mu is held.
-func (c *cache) victim() *chunk {
-	for e := c.lru.Back(); e != nil; e = e.Prev() {
-		ch := e.Value.(*chunk)
-		if ch.pins == 0 {
-			ch.state = chunkEvicting
-			c.lru.Remove(e)
-			ch.elem = nil
-			return ch
+// victim picks a chunk to evict for s (nil: any) and marks it evicting,
+// or returns nil if every chunk is loading, pinned or being evicted. c.mu
+// is held. A session over its fair share gives up one of its own chunks;
+// otherwise the least recently granted chunk goes, preferring one whose
+// holders have no revoke outstanding for longer than c.patience.
+func (c *cache) victim(s *session) *chunk {
+	take := func(ch *chunk) *chunk {
+		ch.state = chunkEvicting
+		c.lru.Remove(ch.elem)
+		ch.elem = nil
+		return ch
+	}
+	if s != nil && int(s.held.Load()) >= c.share(s) {
+		for e := c.lru.Back(); e != nil; e = e.Prev() {
+			ch := e.Value.(*chunk)
+			if _, mine := ch.holders[s]; mine && ch.pins == 0 {
+				return take(ch)
+			}
 		}
 	}
+	var slow *chunk
+	for e := c.lru.Back(); e != nil; e = e.Prev() {
+		ch := e.Value.(*chunk)
+		if ch.pins != 0 {
+			continue
+		}
+		if c.slowHolders(ch) {
+			if slow == nil {
+				slow = ch
+			}
+			continue
+		}
+		return take(ch)
+	}
+	if slow != nil {
+		return take(slow)
+	}
 	return nil
+}
+
+// slowHolders reports whether a holder of ch is slow to answer a revoke.
+// c.mu is held.
+func (c *cache) slowHolders(ch *chunk) bool {
+	for s := range ch.holders {
+		if s.slowRevokes.Load() > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 func (c *cache) unpin(ch *chunk) {
@@ -241,8 +331,10 @@ func (c *cache) unpin(ch *chunk) {
 // evict takes ch (marked evicting) out of the cache: every holder is asked
 // to give its grant back and its registration is removed, dirty blocks are
 // written back, then the slot is freed. If write-back fails the chunk stays
-// cached (ready, without grants) and the error is returned.
-func (c *cache) evict(ctx context.Context, ch *chunk) error {
+// cached (ready, without grants) and the error is returned. It runs in the
+// cache's own context, not that of the session whose grant needed the
+// slot: that session may go away without harm to the holders.
+func (c *cache) evict(ch *chunk) error {
 	c.mu.Lock()
 	type hs struct {
 		s *session
@@ -259,7 +351,15 @@ func (c *cache) evict(ctx context.Context, ch *chunk) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			x.s.revoke(ctx, ch, x.h, c.revokeTTL)
+			ttl := c.revokeTTL
+			c.mu.Lock()
+			if int(x.s.held.Load()) > c.share(x.s) {
+				// A session holding more than its share, and so
+				// keeping others waiting, gets less time.
+				ttl = max(c.revokeTTL/10, c.patience)
+			}
+			c.mu.Unlock()
+			x.s.revoke(c.ctx, ch, x.h, ttl, c.patience)
 		}()
 	}
 	wg.Wait()
@@ -280,22 +380,35 @@ func (c *cache) evict(ctx context.Context, ch *chunk) error {
 		return err
 	}
 	delete(c.chunks, ch.key)
-	c.free = append(c.free, ch.slot)
+	if !ch.leaked {
+		c.free = append(c.free, ch.slot)
+		c.m.cacheUsed.Sub(float64(c.chunkSize))
+	}
 	c.m.evictions.Inc()
-	c.m.cacheUsed.Sub(float64(c.chunkSize))
 	c.cond.Broadcast()
 	return nil
 }
 
 // dropHolder forgets s's grant of ch (after a revoke or when s ends) and
-// deregisters its region.
+// deregisters its region. If deregistration fails the initiator may still
+// reach the memory: the chunk's slot is then never reused (leaked), and the
+// error is logged and counted.
 func (c *cache) dropHolder(ch *chunk, s *session) {
 	c.mu.Lock()
 	h, ok := ch.holders[s]
 	delete(ch.holders, s)
 	c.mu.Unlock()
-	if ok {
-		h.region.Deregister()
+	if !ok {
+		return
+	}
+	s.held.Add(-1)
+	if err := h.region.Deregister(); err != nil {
+		c.m.errors.WithLabelValues("deregister").Inc()
+		c.log.Error("deregister a chunk's grant failed: its cache slot is taken out of use",
+			zap.Uint64("session", s.id), zap.Uint64("offset", ch.off), zap.Error(err))
+		c.mu.Lock()
+		ch.leaked = true
+		c.mu.Unlock()
 	}
 }
 
@@ -348,6 +461,7 @@ func (c *cache) writebackLocked(ch *chunk) error {
 				firstErr = fmt.Errorf("write back %d bytes at %d of %q: %w", to-from, ch.off+from, v.name, err)
 			}
 		} else {
+			c.progress.Add(1)
 			c.m.writebackOps.Inc()
 			c.m.writebackBytes.Add(float64(to - from))
 		}
@@ -443,6 +557,8 @@ func (c *cache) zeroRange(v *volume, off, n uint64, noHole bool) error {
 
 // close writes everything back and frees the memory. No session may be left.
 func (c *cache) close(vols []*volume) error {
+	c.cancel()
+	c.wg.Wait()
 	var errs []error
 	for _, v := range vols {
 		if err := c.flush(v); err != nil {

@@ -11,6 +11,8 @@ type Metrics struct {
 	errors         *prometheus.CounterVec
 	grants         prometheus.Counter
 	revokes        prometheus.Counter
+	fenced         prometheus.Counter
+	revokeTimeouts prometheus.Counter
 	evictions      prometheus.Counter
 	loads          prometheus.Counter
 	loadBytes      prometheus.Counter
@@ -36,8 +38,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Time to serve a control request, by operation.", Buckets: buckets}, []string{"op"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "errors_total",
 			Help: "Errors, by where they happened."}, []string{"op"}),
-		grants:         prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators."}),
-		revokes:        prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators."}),
+		grants:  prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators."}),
+		revokes: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators."}),
+		fenced: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sessions_fenced_total",
+			Help: "Earlier sessions of a host ID and export fenced because the host opened the export again (reinstatement)."}),
+		revokeTimeouts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revoke_timeouts_total",
+			Help: "Sessions closed because they did not answer a revoke in time."}),
 		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache."}),
 		loads:          prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files."}),
 		loadBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files."}),
@@ -50,7 +56,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		cacheBudget:    prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_budget_bytes", Help: "Registered cache memory in all."}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes,
+		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
 			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
 			m.flushSeconds, m.cacheUsed, m.cacheBudget)
 	}

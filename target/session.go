@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -18,6 +19,15 @@ import (
 type openVol struct {
 	v        *volume
 	writable bool
+	gen      uint64      // the session generation VolumeInfo gave
+	ident    ident       // host ID and export; host "" is anonymous
+	fenced   atomic.Bool // a later session of ident took over
+}
+
+// ident is an initiator's identity for one export: reinstatement fences
+// the earlier sessions of the same ident.
+type ident struct {
+	host, export string
 }
 
 // session is one initiator's connection.
@@ -38,6 +48,19 @@ type session struct {
 	chunks  map[*chunk]struct{} // chunks this session holds grants of
 
 	done protocol.Done // reused by the completion goroutine
+
+	held        atomic.Int64  // chunks this session holds grants of
+	slowRevokes atomic.Int32  // revokes outstanding for longer than the cache's patience
+	penaltyEnd  atomic.Int64  // UnixNano until which its share is cut (see penalize)
+	opened      bool          // counted in cache.sessions (mu)
+	peer        string        // the peer's host, for penalties
+	ended       chan struct{} // closed once the session released everything
+}
+
+// penalized reports whether the session's host was recently dropped for
+// not answering a revoke.
+func (s *session) penalized() bool {
+	return time.Now().UnixNano() < s.penaltyEnd.Load()
 }
 
 func (s *session) handle(h protocol.Header, payload []byte) {
@@ -82,11 +105,7 @@ func (s *session) replyErr(tag uint64, op string, err error) {
 	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm {
 		s.log.Warn("request failed", zap.String("op", op), zap.Error(err))
 	}
-	text := err.Error()
-	if len(text) > protocol.MaxErrorText {
-		text = text[:protocol.MaxErrorText]
-	}
-	s.reply(tag, &protocol.ErrorMsg{Code: code, Text: text})
+	s.reply(tag, protocol.ErrorFor(err))
 }
 
 func (s *session) lookup(handle uint32) (*openVol, error) {
@@ -110,6 +129,7 @@ func checkRange(v *volume, off, n uint64) error {
 func (s *session) serve(h protocol.Header, m protocol.Message) {
 	start := time.Now()
 	op, err := s.dispatch(h.Tag, m)
+	s.t.progress.Add(1)
 	if op == "" {
 		return
 	}
@@ -140,6 +160,9 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 	case *protocol.Flush:
 		ov, err := s.lookup(m.Handle)
 		if err == nil {
+			err = ov.current(m.Generation)
+		}
+		if err == nil {
 			err = s.t.cache.flush(ov.v)
 		}
 		if err == nil {
@@ -152,18 +175,29 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 		return "write_zeroes", s.zero(tag, m.Handle, m.Offset, m.Length, m.Flags&protocol.FlagNoHole != 0, m.Flags&protocol.FlagFUA != 0)
 	case *protocol.Close:
 		s.mu.Lock()
-		_, ok := s.handles[m.Handle]
+		ov, ok := s.handles[m.Handle]
 		delete(s.handles, m.Handle)
 		s.mu.Unlock()
 		if !ok {
 			return "close", fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
 		}
+		s.t.forget(s, ov)
 		s.reply(tag, &protocol.OK{})
 		return "close", nil
 	default:
 		s.protocolError(fmt.Errorf("unexpected %v from initiator: %w", m.Type(), protocol.ErrProtocol))
 		return "", nil
 	}
+}
+
+// current checks that gen names this open volume's session generation and
+// that no later session of its identity fenced it.
+func (ov *openVol) current(gen uint64) error {
+	if gen != ov.gen || ov.fenced.Load() {
+		return fmt.Errorf("session generation %d of %q, current %d (fenced: %v): %w",
+			gen, ov.v.name, ov.gen, ov.fenced.Load(), protocol.ErrStale)
+	}
+	return nil
 }
 
 func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
@@ -175,18 +209,30 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	if writable && v.readOnly {
 		return nil, fmt.Errorf("export %q is read-only: %w", m.Name, protocol.ErrPerm)
 	}
+	ov := &openVol{v: v, writable: writable, ident: ident{host: m.HostID, export: v.name}}
+	// Reinstatement: every earlier session of this host and export is
+	// fenced (its grants deregistered, its connection closed, its
+	// requests finished) before this one gets a handle.
+	if err := s.t.reinstate(s.ctx, s, ov); err != nil {
+		return nil, err
+	}
 	s.mu.Lock()
 	s.next++
 	h := s.next
-	s.handles[h] = &openVol{v: v, writable: writable}
+	s.handles[h] = ov
+	if !s.opened {
+		s.opened = true
+		s.t.cache.sessions.Add(1)
+	}
 	s.mu.Unlock()
-	s.log.Info("volume opened", zap.String("export", v.name), zap.Bool("writable", writable), zap.Uint32("handle", h))
+	s.log.Info("volume opened", zap.String("export", v.name), zap.String("host_id", m.HostID),
+		zap.Bool("writable", writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !writable {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
 	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
-		ChunkSize: uint32(s.t.cache.chunkSize)}, nil
+		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen}, nil
 }
 
 func volFlags(v *volume) protocol.VolumeFlags {
@@ -212,7 +258,7 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		return fmt.Errorf("write grant on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
 	}
 	c := s.t.cache
-	ch, err := c.get(s.ctx, ov.v, m.Offset/uint64(c.chunkSize))
+	ch, err := c.get(s.ctx, s, ov.v, m.Offset/uint64(c.chunkSize))
 	if err != nil {
 		return err
 	}
@@ -236,7 +282,17 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		ch.holders[s] = hd
 		c.mu.Unlock()
 		if had {
-			old.region.Deregister()
+			if err := old.region.Deregister(); err != nil {
+				// The read-only registration stays reachable: keep the
+				// slot out of use, as dropHolder does.
+				c.m.errors.WithLabelValues("deregister").Inc()
+				s.log.Error("deregister a replaced grant failed: its cache slot is taken out of use", zap.Error(err))
+				c.mu.Lock()
+				ch.leaked = true
+				c.mu.Unlock()
+			}
+		} else {
+			s.held.Add(1)
 		}
 		s.mu.Lock()
 		s.chunks[ch] = struct{}{}
@@ -253,16 +309,26 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 }
 
 // revoke asks the initiator to stop using its grant of ch and waits for its
-// RevokeAck; an initiator that does not answer in time loses its session.
-// Either way the registration is removed before revoke returns.
-func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl time.Duration) {
+// RevokeAck, at most ttl; an initiator that does not answer in time loses
+// its session, and its host's share of the cache is cut for a while.
+// Either way the registration is removed before revoke returns. After
+// patience without an answer the session counts as slow, and evictions
+// look for other victims first.
+func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience time.Duration) {
 	ctx, cancel := context.WithTimeout(ctx, ttl)
 	defer cancel()
+	slow := time.AfterFunc(patience, func() { s.slowRevokes.Add(1) })
 	var ack protocol.RevokeAck
 	err := s.link.Request(ctx, &protocol.Revoke{Handle: h.handle, Offset: ch.off, Generation: ch.gen}, &ack)
+	if !slow.Stop() {
+		s.slowRevokes.Add(-1)
+	}
 	s.t.m.revokes.Inc()
-	if err != nil && s.link.Err() == nil {
-		s.log.Warn("initiator did not give a chunk back, closing its session", zap.Uint64("offset", ch.off), zap.Error(err))
+	if err != nil && s.link.Err() == nil && s.t.ctx.Err() == nil {
+		s.log.Warn("initiator did not give a chunk back in time, closing its session",
+			zap.Uint64("offset", ch.off), zap.Duration("waited", ttl), zap.Error(err))
+		s.t.m.revokeTimeouts.Inc()
+		s.t.penalize(s)
 		s.link.Close()
 	}
 	s.t.cache.dropHolder(ch, s)
@@ -282,6 +348,9 @@ func (s *session) handleDone(h protocol.Header, payload []byte) {
 	ov, err := s.lookup(d.Handle)
 	if err == nil && !ov.writable {
 		err = fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
+	}
+	if err == nil {
+		err = ov.current(d.Generation)
 	}
 	if err != nil {
 		s.protocolError(err)
@@ -376,15 +445,27 @@ func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua boo
 	return nil
 }
 
-// end releases what the session holds once its link is down.
+// end releases what the session holds once its link is down: it waits
+// for its requests, then deregisters every grant, and closes s.ended.
 func (s *session) end() {
 	s.cancel()
 	s.wg.Wait()
 	s.mu.Lock()
 	chunks := s.chunks
 	s.chunks = nil
+	handles := s.handles
+	s.handles = map[uint32]*openVol{}
+	opened := s.opened
+	s.opened = false
 	s.mu.Unlock()
 	for ch := range chunks {
 		s.t.cache.dropHolder(ch, s)
 	}
+	for _, ov := range handles {
+		s.t.forget(s, ov)
+	}
+	if opened {
+		s.t.cache.sessions.Add(-1)
+	}
+	close(s.ended)
 }

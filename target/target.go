@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -24,6 +26,12 @@ const (
 	DefaultRevokeTimeout = 10 * time.Second
 	DefaultWritebackWait = 5 * time.Millisecond
 	DefaultDrainTimeout  = 10 * time.Second
+	// DefaultDrainLimit bounds a whole drain, progress or not: less than
+	// the 300 s systemd's unit gives rblkd to stop.
+	DefaultDrainLimit = 4 * time.Minute
+	// DefaultKeepAlive is how long a session may stay silent before the
+	// target drops it (it probes after a third of that).
+	DefaultKeepAlive = 15 * time.Second
 )
 
 // Options configure a Target.
@@ -42,10 +50,18 @@ type Options struct {
 	// WritebackDelay is how long dirty ranges wait to be coalesced before
 	// they are written back. Default DefaultWritebackWait.
 	WritebackDelay time.Duration
-	// DrainTimeout bounds how long Close waits for initiators to finish
-	// their IO and flush after it announced the shutdown. Default
-	// DefaultDrainTimeout.
+	// DrainTimeout bounds how long Close waits, after it announced the
+	// shutdown, for initiators that make no progress (no request served,
+	// no byte written back, no session ended for that long): a drain that
+	// is writing back a slow disk for the initiators' flushes goes on.
+	// Default DefaultDrainTimeout.
 	DrainTimeout time.Duration
+	// DrainLimit bounds the whole drain. Default DefaultDrainLimit.
+	DrainLimit time.Duration
+	// KeepAlive is how long a silent initiator keeps its session (see
+	// link.Options.KeepAlive). Default DefaultKeepAlive; negative: never
+	// dropped for silence.
+	KeepAlive time.Duration
 	// WrapStore, if set, is called once per export with its opened backing
 	// file and returns the Store the target uses instead: a test puts a
 	// slow or failing disk there. The file is still closed by the target.
@@ -69,9 +85,16 @@ type Target struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
+	// progress counts what a drain waits on: requests served, write-back
+	// and session ends.
+	progress atomic.Uint64
+
 	mu        sync.Mutex
 	sessions  map[*session]struct{}
+	idents    map[ident]identEntry // the current session of each identity
+	penalties map[string]time.Time // hosts dropped for not answering revokes, until when
 	nextID    uint64
+	nextGen   uint64
 	closed    bool
 	closeOnce sync.Once
 	closeErr  error
@@ -92,6 +115,12 @@ func New(opts Options) (*Target, error) {
 	if opts.DrainTimeout == 0 {
 		opts.DrainTimeout = DefaultDrainTimeout
 	}
+	if opts.DrainLimit == 0 {
+		opts.DrainLimit = DefaultDrainLimit
+	}
+	if opts.KeepAlive == 0 {
+		opts.KeepAlive = DefaultKeepAlive
+	}
 	if opts.WritebackDelay == 0 {
 		opts.WritebackDelay = DefaultWritebackWait
 	}
@@ -105,7 +134,8 @@ func New(opts Options) (*Target, error) {
 		return nil, errors.New("no exports")
 	}
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer),
-		volumes: make(map[string]*volume), sessions: make(map[*session]struct{})}
+		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
+		idents: make(map[ident]identEntry), penalties: make(map[string]time.Time)}
 	for i, e := range opts.Exports {
 		if t.volumes[e.Name] != nil {
 			t.closeVolumes()
@@ -122,7 +152,7 @@ func New(opts Options) (*Target, error) {
 		t.vols = append(t.vols, v)
 		t.volumes[e.Name] = v
 	}
-	c, err := newCache(opts.CacheSize, opts.ChunkSize, opts.Logger, t.m, opts.RevokeTimeout)
+	c, err := newCache(opts.CacheSize, opts.ChunkSize, opts.Logger, t.m, opts.RevokeTimeout, &t.progress)
 	if err != nil {
 		t.closeVolumes()
 		return nil, err
@@ -196,11 +226,14 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	t.nextID++
 	id := t.nextID
 	t.mu.Unlock()
-	s := &session{t: t, id: id, ready: make(chan struct{}), handles: make(map[uint32]*openVol), chunks: make(map[*chunk]struct{})}
+	s := &session{t: t, id: id, ready: make(chan struct{}), ended: make(chan struct{}),
+		handles: make(map[uint32]*openVol), chunks: make(map[*chunk]struct{}), peer: peerHost(req.RemoteAddr())}
 	s.log = t.log.With(zap.Uint64("session", id), zap.String("peer", req.RemoteAddr()))
 	s.ctx, s.cancel = context.WithCancel(ctx)
-	l, err := link.Accept(ctx, req, link.Options{Handler: s.handle, Logger: s.log})
+	s.penaltyEnd.Store(t.penaltyOf(s.peer))
+	l, err := link.Accept(ctx, req, link.Options{Handler: s.handle, Logger: s.log, KeepAlive: max(t.opts.KeepAlive, 0)})
 	if err != nil {
+		close(s.ended)
 		s.cancel()
 		s.log.Warn("session refused", zap.Error(err))
 		return
@@ -225,6 +258,7 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	delete(t.sessions, s)
 	t.mu.Unlock()
 	t.m.sessions.Dec()
+	t.progress.Add(1)
 	reason := l.Err()
 	s.log.Info("session ended", zap.NamedError("reason", reason))
 }
@@ -262,25 +296,142 @@ func (t *Target) Close() error {
 	return t.closeErr
 }
 
-// drain announces the shutdown to every session and waits for them to end.
+// drain announces the shutdown to every session and waits for them to end,
+// as long as they make progress (see Options.DrainTimeout), at most
+// Options.DrainLimit.
 func (t *Target) drain(sessions []*session) {
 	if len(sessions) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), t.opts.DrainTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), t.opts.DrainLimit)
 	defer cancel()
 	notice := &protocol.ErrorMsg{Code: protocol.CodeShutdown, Text: "target shutting down"}
 	for _, s := range sessions {
-		if err := s.link.Send(ctx, 0, notice); err != nil {
+		sctx, scancel := context.WithTimeout(ctx, t.opts.DrainTimeout)
+		if err := s.link.Send(sctx, 0, notice); err != nil {
 			s.log.Info("shutdown notice not sent", zap.Error(err))
 		}
+		scancel()
 	}
+	check := time.NewTicker(t.opts.DrainTimeout)
+	defer check.Stop()
+	last := t.progress.Load()
 	for _, s := range sessions {
-		select {
-		case <-s.link.Done():
-		case <-ctx.Done():
-			t.log.Warn("initiators did not disconnect in time; closing their sessions", zap.Duration("waited", t.opts.DrainTimeout))
-			return
+		for waiting := true; waiting; {
+			select {
+			case <-s.link.Done():
+				waiting = false
+			case <-check.C:
+				if now := t.progress.Load(); now != last {
+					last = now
+					continue
+				}
+				t.log.Warn("initiators made no progress draining; closing their sessions", zap.Duration("waited", t.opts.DrainTimeout))
+				return
+			case <-ctx.Done():
+				t.log.Warn("initiators did not disconnect in time; closing their sessions", zap.Duration("waited", t.opts.DrainLimit))
+				return
+			}
 		}
 	}
+}
+
+// reinstate gives ov its session generation and, if its identity has a
+// host ID, makes s the identity's current session: every earlier session
+// of the identity is fenced first. Fencing marks the earlier handle stale
+// (its Done and Flush are refused from now on), closes its connection and
+// waits until the session released everything: its requests finished and
+// its grants deregistered, so nothing still in flight on it can reach the
+// cache or the file.
+func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol) error {
+	t.mu.Lock()
+	t.nextGen++
+	ov.gen = t.nextGen
+	if ov.ident.host == "" {
+		t.mu.Unlock()
+		return nil
+	}
+	old, had := t.idents[ov.ident]
+	t.idents[ov.ident] = identEntry{s: s, ov: ov}
+	if until, ok := t.penalties[ov.ident.host]; ok && until.UnixNano() > s.penaltyEnd.Load() {
+		s.penaltyEnd.Store(until.UnixNano())
+	}
+	t.mu.Unlock()
+	if !had || old.s == s {
+		return nil
+	}
+	old.ov.fenced.Store(true)
+	t.m.fenced.Inc()
+	old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
+		zap.String("export", ov.ident.export), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
+	old.s.link.Close()
+	select {
+	case <-old.s.ended:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("fence session %d of host %q: %w", old.s.id, ov.ident.host, ctx.Err())
+	}
+}
+
+// forget drops ov's identity when s was its current session.
+func (t *Target) forget(s *session, ov *openVol) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if e, ok := t.idents[ov.ident]; ok && e.s == s && e.ov == ov {
+		delete(t.idents, ov.ident)
+	}
+}
+
+// penaltyTime is how long a host dropped for not answering a revoke gets a
+// cut share of the cache.
+func (t *Target) penaltyTime() time.Duration { return 3 * t.opts.RevokeTimeout }
+
+// penalize cuts the cache share of s's host (its host IDs, and its peer
+// address) for a while: a misbehaving initiator that comes back at once
+// does not get its grants back at once.
+func (t *Target) penalize(s *session) {
+	until := time.Now().Add(t.penaltyTime())
+	s.penaltyEnd.Store(until.UnixNano())
+	s.mu.Lock()
+	keys := []string{s.peer}
+	for _, ov := range s.handles {
+		if ov.ident.host != "" {
+			keys = append(keys, ov.ident.host)
+		}
+	}
+	s.mu.Unlock()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := time.Now()
+	for k, u := range t.penalties {
+		if u.Before(now) {
+			delete(t.penalties, k)
+		}
+	}
+	for _, k := range keys {
+		t.penalties[k] = until
+	}
+}
+
+// penaltyOf returns until when key is penalized (UnixNano; 0 if it is not).
+func (t *Target) penaltyOf(key string) int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if u, ok := t.penalties[key]; ok && u.After(time.Now()) {
+		return u.UnixNano()
+	}
+	return 0
+}
+
+// peerHost is the host part of a peer address, for penalties.
+func peerHost(addr string) string {
+	if h, _, err := net.SplitHostPort(addr); err == nil {
+		return "peer:" + h
+	}
+	return "peer:" + addr
+}
+
+type identEntry struct {
+	s  *session
+	ov *openVol
 }

@@ -171,10 +171,10 @@ func TestGrantReadWrite(t *testing.T) {
 	if err := c.RDMA(ctx, link.Op{Write: true, Local: transport.SGE{Region: local, Length: 5}, Addr: g.Addr + 70000 - g.Offset, RKey: g.RKey}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Send(ctx, 0, &protocol.Done{Handle: c.info.Handle, Ranges: []protocol.Range{{Offset: 70000, Length: 5}}}); err != nil {
+	if err := c.Send(ctx, 0, &protocol.Done{Handle: c.info.Handle, Generation: c.info.Generation, Ranges: []protocol.Range{{Offset: 70000, Length: 5}}}); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Request(ctx, &protocol.Flush{Handle: c.info.Handle}, &protocol.OK{}); err != nil {
+	if err := c.Request(ctx, &protocol.Flush{Handle: c.info.Handle, Generation: c.info.Generation}, &protocol.OK{}); err != nil {
 		t.Fatal(err)
 	}
 	file, _ := os.ReadFile(e.path)
@@ -205,10 +205,10 @@ func TestGrantReadWrite(t *testing.T) {
 	if err := c.Request(ctx, &protocol.Trim{Handle: c.info.Handle, Offset: 256<<10 - 1, Length: 2}, &protocol.OK{}); !errors.Is(err, protocol.ErrRange) {
 		t.Fatalf("trim across the end: %v, want ErrRange", err)
 	}
-	if err := c.Request(ctx, &protocol.Flush{Handle: 99}, &protocol.OK{}); !errors.Is(err, protocol.ErrInvalid) {
+	if err := c.Request(ctx, &protocol.Flush{Handle: 99, Generation: 1}, &protocol.OK{}); !errors.Is(err, protocol.ErrInvalid) {
 		t.Fatalf("flush of an unknown handle: %v, want ErrInvalid", err)
 	}
-	if err := c.Request(ctx, &protocol.Flush{Handle: c.info.Handle}, &protocol.OK{}); err != nil {
+	if err := c.Request(ctx, &protocol.Flush{Handle: c.info.Handle, Generation: c.info.Generation}, &protocol.OK{}); err != nil {
 		t.Fatal(err)
 	}
 	local.Deregister()
@@ -262,7 +262,7 @@ func TestBrokenInitiatorLosesOnlyItsSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	if err := bad.Send(ctx, 0, &protocol.Done{Handle: bad.info.Handle, Ranges: []protocol.Range{{Offset: 0, Length: 10}}}); err != nil {
+	if err := bad.Send(ctx, 0, &protocol.Done{Handle: bad.info.Handle, Generation: bad.info.Generation, Ranges: []protocol.Range{{Offset: 0, Length: 10}}}); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -317,14 +317,14 @@ func TestEvictionRevokes(t *testing.T) {
 		if err := l.RDMA(ctx, link.Op{Write: true, Local: transport.SGE{Region: local, Length: 1}, Addr: g.Addr, RKey: g.RKey}); err != nil {
 			t.Fatal(err)
 		}
-		if err := l.Send(ctx, 0, &protocol.Done{Handle: info.Handle, Ranges: []protocol.Range{{Offset: uint64(i) << 16, Length: 1}}}); err != nil {
+		if err := l.Send(ctx, 0, &protocol.Done{Handle: info.Handle, Generation: info.Generation, Ranges: []protocol.Range{{Offset: uint64(i) << 16, Length: 1}}}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if len(revokes) < 16 {
 		t.Fatalf("%d revokes for 32 chunks in a cache of 16", len(revokes))
 	}
-	if err := l.Request(ctx, &protocol.Flush{Handle: info.Handle}, &protocol.OK{}); err != nil {
+	if err := l.Request(ctx, &protocol.Flush{Handle: info.Handle, Generation: info.Generation}, &protocol.OK{}); err != nil {
 		t.Fatal(err)
 	}
 	file, _ := os.ReadFile(e.path)

@@ -33,8 +33,9 @@ func newRootCmd() *cobra.Command {
 
 type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
+	hostID, hostIDFile                                       string
 	readOnly, debug                                          bool
-	reconnectTimeout                                         time.Duration
+	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
 	dev                                                      deviceFlags // --device: see device.go
 }
 
@@ -65,6 +66,14 @@ first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
 	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
+	fl.StringVar(&f.hostID, "host-id", "", "this host's identity: a reconnect or a new attach with it fences the earlier session (default: read "+cli.DefaultHostIDFile+", created on first use)")
+	fl.StringVar(&f.hostIDFile, "host-id-file", cli.DefaultHostIDFile, "file holding the host ID when --host-id is not given")
+	fl.DurationVar(&f.keepAlive, "keepalive-timeout", initiator.DefaultKeepAlive,
+		"a link to the target silent this long is declared dead and the reconnect path runs (probed after a third of it; 0: never)")
+	fl.DurationVar(&f.ioTimeout, "io-timeout", initiator.DefaultIOTimeout,
+		"a request (grant, RDMA READ or WRITE, trim) unanswered this long takes the link down; it is done again after reconnecting")
+	fl.DurationVar(&f.flushTimeout, "flush-timeout", initiator.DefaultFlushTimeout,
+		"the same for flushes and FUA writes, which wait for the target's disk")
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
@@ -129,9 +138,18 @@ func attach(f attachFlags) error {
 		defer ln.Close()
 	}
 
+	hostID, err := cli.HostID(f.hostID, f.hostIDFile, log)
+	if err != nil {
+		return err
+	}
+	keepAlive := f.keepAlive
+	if keepAlive == 0 {
+		keepAlive = -1 // the flag's 0 is "never"; the option's is "default"
+	}
 	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
-	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export,
-		ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), Logger: log, Metrics: initiator.NewMetrics(reg)})
+	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID,
+		ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
+		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg)})
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -30,6 +31,8 @@ type serveFlags struct {
 	exports                               []string
 	cacheSize, chunkSize                  string
 	debug                                 bool
+
+	keepAlive, revokeTimeout, drainTimeout, drainLimit time.Duration
 }
 
 func newServeCmd() *cobra.Command {
@@ -52,6 +55,13 @@ There is no authentication: listen only on a storage network you trust.`,
 	fl.StringArrayVar(&f.exports, "export", nil, "export NAME=PATH[,ro][,size=BYTES] (repeatable; size= creates a sparse file if PATH does not exist)")
 	fl.StringVar(&f.cacheSize, "cache-size", "256M", "registered memory for cached chunks (K, M, G suffixes)")
 	fl.StringVar(&f.chunkSize, "chunk-size", "1M", "unit of caching and granting, a power of two from 64K")
+	fl.DurationVar(&f.keepAlive, "keepalive-timeout", target.DefaultKeepAlive,
+		"drop a session whose initiator is silent this long (probed after a third of it; 0: never)")
+	fl.DurationVar(&f.revokeTimeout, "revoke-timeout", target.DefaultRevokeTimeout,
+		"close the session of an initiator that does not give a chunk back this long (a tenth of it for one holding more than its share of the cache)")
+	fl.DurationVar(&f.drainTimeout, "drain-timeout", target.DefaultDrainTimeout,
+		"on SIGTERM, wait for initiators to flush and leave while they make progress; give up after this long without any")
+	fl.DurationVar(&f.drainLimit, "drain-limit", target.DefaultDrainLimit, "on SIGTERM, wait at most this long in all")
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
@@ -90,7 +100,12 @@ func serve(f serveFlags) error {
 	ctx, cancel := cli.SignalContext()
 	defer cancel()
 	reg := cli.NewRegistry()
+	keepAlive := f.keepAlive
+	if keepAlive == 0 {
+		keepAlive = -1 // the flag's 0 is "never"; the option's is "default"
+	}
 	t, err := target.New(target.Options{Exports: exports, CacheSize: cacheSize, ChunkSize: int(chunkSize),
+		KeepAlive: keepAlive, RevokeTimeout: f.revokeTimeout, DrainTimeout: f.drainTimeout, DrainLimit: f.drainLimit,
 		Logger: log, Registerer: reg})
 	if err != nil {
 		return err

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -25,8 +27,23 @@ type Options struct {
 	// RecvBuffers is how many receive buffers this side posts: the credits
 	// the peer starts with. Default 128.
 	RecvBuffers int
-	// SendBuffers is how many control messages may be in flight. Default 128.
+	// SendBuffers is how many control messages may be in flight. Default
+	// 128, at most half the connection's send queue: that many entries of
+	// the send queue are kept for control messages, and RDMA operations
+	// share the rest.
 	SendBuffers int
+	// KeepAlive, if positive, is the longest the link may go without
+	// hearing from its peer: after KeepAlive/3 of quiet it sends a
+	// KeepAlive request (answered OK by the peer's link), and after
+	// KeepAlive it declares the link dead (ErrTimeout) and closes the
+	// connection. Zero disables it.
+	KeepAlive time.Duration
+	// RequestTimeout, if positive, bounds how long Request waits for a reply
+	// and RDMA for its completions: a peer that does not answer in time
+	// takes the link down (ErrTimeout), as an NVMe host resets a controller
+	// whose command timed out. RequestWithin overrides it per request.
+	// Zero: no bound but the caller's context.
+	RequestTimeout time.Duration
 	// Logger gets one line per link event. Default: no logs.
 	Logger *zap.Logger
 }
@@ -49,6 +66,11 @@ var (
 	ErrDown = errors.New("link down")
 	// ErrUnexpectedReply is returned by Request when the reply has the wrong type.
 	ErrUnexpectedReply = errors.New("unexpected reply type")
+	// ErrTimeout is why a link went down when its peer was silent for
+	// longer than Options.KeepAlive, or did not answer a request or
+	// complete an RDMA operation within its timeout. It comes wrapped in
+	// ErrDown.
+	ErrTimeout = errors.New("peer timed out")
 )
 
 // wrid kinds, in the top byte of a work request ID.
@@ -105,7 +127,13 @@ type Link struct {
 	nextBatch    uint64
 	down         error
 	downCh       chan struct{}
-	creditSignal chan struct{}
+	creditSignal chan struct{} // wakes serviceLoop: credits or pongs owed
+	pongs        []uint64      // tags of KeepAlive requests to answer
+	sqRoom       int           // send queue entries free for RDMA operations
+	sqWaiters    int           // RDMA posts waiting for sqRoom
+
+	lastRecv  atomic.Int64 // when the last message arrived (UnixNano)
+	pinging   atomic.Bool  // a KeepAlive request is in flight
 
 	closeOnce sync.Once
 	stop      context.CancelFunc
@@ -128,6 +156,14 @@ func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 		waiters: make(map[uint64]*waiter), batches: make(map[uint64]*batch),
 		creditSignal: make(chan struct{}, 1), downCh: make(chan struct{})}
 	l.cond = sync.NewCond(&l.mu)
+	depth := conn.Limits().SendQueueDepth
+	if depth < 4 {
+		return nil, fmt.Errorf("link: send queue of %d entries: need at least 4", depth)
+	}
+	l.opts.SendBuffers = min(l.opts.SendBuffers, depth/2)
+	opts.SendBuffers = l.opts.SendBuffers
+	l.sqRoom = depth - opts.SendBuffers
+	l.lastRecv.Store(time.Now().UnixNano())
 	l.batchPool.New = func() any { return &batch{done: make(chan struct{}, 1)} }
 	l.waitPool.New = func() any { return &waiter{done: make(chan struct{}, 1)} }
 	n := opts.RecvBuffers + opts.SendBuffers
@@ -163,7 +199,11 @@ func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	l.stop = cancel
 	l.wg.Add(2)
 	go l.pollLoop(ctx)
-	go l.creditLoop(ctx)
+	go l.serviceLoop(ctx)
+	if opts.KeepAlive > 0 {
+		l.wg.Add(1)
+		go l.keepAliveLoop(ctx)
+	}
 	return l, nil
 }
 
@@ -273,6 +313,17 @@ func (l *Link) post(slot int, tag uint64, m protocol.Message) error {
 	// Post under the lock so that credits announced and send order agree.
 	err = l.conn.PostSend(transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
 		Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
+	if err != nil && errors.Is(err, transport.ErrQueueFull) {
+		// Cannot happen while the link's accounting is right (a SEND
+		// holds a send slot, and the slots are room kept for them): a
+		// provider bug, reported to this caller only.
+		l.toReturn += credits
+		l.freeSend = append(l.freeSend, slot)
+		l.credits++
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		return fmt.Errorf("post %v: %w", m.Type(), err)
+	}
 	l.mu.Unlock()
 	if err != nil {
 		l.fail(fmt.Errorf("post send: %w", err))
@@ -301,8 +352,15 @@ func (l *Link) NewTag() uint64 {
 
 // Request sends m and waits for the reply, which is unmarshaled into reply.
 // An ErrorMsg reply is returned as a *protocol.RemoteError. If ctx ends
-// first the request stays sent, and its reply is dropped when it comes.
+// first the request stays sent, and its reply is dropped when it comes. If
+// Options.RequestTimeout passes first, the link goes down with ErrTimeout.
 func (l *Link) Request(ctx context.Context, m protocol.Message, reply protocol.Message) error {
+	return l.RequestWithin(ctx, l.opts.RequestTimeout, m, reply)
+}
+
+// RequestWithin is Request with its own timeout instead of
+// Options.RequestTimeout (zero: none).
+func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m protocol.Message, reply protocol.Message) error {
 	w := l.waitPool.Get().(*waiter)
 	w.reply, w.err = reply, nil
 	l.mu.Lock()
@@ -328,12 +386,23 @@ func (l *Link) Request(ctx context.Context, m protocol.Message, reply protocol.M
 		l.waitPool.Put(w)
 		return err
 	}
+	var expired <-chan time.Time
+	if timeout > 0 {
+		t := time.NewTimer(timeout)
+		defer t.Stop()
+		expired = t.C
+	}
 	select {
 	case <-w.done:
 		err := w.err
 		w.reply = nil
 		l.waitPool.Put(w)
 		return err
+	case <-expired:
+		l.expire(fmt.Errorf("%w: no reply to %v in %v", ErrTimeout, m.Type(), timeout))
+		<-w.done // fail signals every waiter
+		l.waitPool.Put(w)
+		return l.Err()
 	case <-ctx.Done():
 		l.mu.Lock()
 		_, mine := l.waiters[w.tag]
@@ -347,10 +416,61 @@ func (l *Link) Request(ctx context.Context, m protocol.Message, reply protocol.M
 	}
 }
 
-// RDMA posts ops as one chain of work requests and waits until all of them
-// completed. Once posted, operations cannot be cancelled (their buffers are
-// in the provider's hands): ctx only bounds the wait before posting. An
-// operation's failure breaks the link.
+// expire takes the link down because the peer did not answer in time, and
+// closes the connection so that every operation in flight completes; then
+// it stops polling, so that not even a stuck completion path keeps the
+// waiters (once Close returned, the provider no longer touches buffers).
+func (l *Link) expire(err error) {
+	l.log.Warn("peer timed out, closing the link", zap.Error(err))
+	l.fail(err)
+	go func() {
+		l.conn.Close()
+		l.stop()
+	}()
+}
+
+// reserveSQ takes up to want entries of the send queue's room for RDMA
+// operations, at least one, waiting while there is none.
+func (l *Link) reserveSQ(ctx context.Context, want int) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.down == nil && l.sqRoom > 0 && l.sqWaiters == 0 {
+		k := min(want, l.sqRoom)
+		l.sqRoom -= k
+		return k, nil
+	}
+	stopWake := context.AfterFunc(ctx, func() {
+		l.mu.Lock()
+		l.cond.Broadcast()
+		l.mu.Unlock()
+	})
+	defer stopWake()
+	l.sqWaiters++
+	defer func() { l.sqWaiters-- }()
+	for {
+		if l.down != nil {
+			return 0, l.down
+		}
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		if l.sqRoom > 0 {
+			k := min(want, l.sqRoom)
+			l.sqRoom -= k
+			return k, nil
+		}
+		l.cond.Wait()
+	}
+}
+
+// RDMA posts ops as chains of work requests and waits until all of them
+// completed. The link admits them to the send queue: they wait (with ctx)
+// for room, in pieces when the chain is longer than the room, so a full
+// queue never fails them. Once posted, operations cannot be cancelled
+// (their buffers are in the provider's hands): ctx only bounds the wait
+// before posting, and Options.RequestTimeout the wait for completions,
+// after which the link goes down with ErrTimeout. An operation's failure
+// breaks the link.
 func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	if len(ops) == 0 {
 		return nil
@@ -361,7 +481,6 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	b := l.batchPool.Get().(*batch)
 	b.err = nil
 	b.pending = len(ops)
-	b.wrs = b.wrs[:0]
 	l.mu.Lock()
 	if l.down != nil {
 		err := l.down
@@ -373,28 +492,84 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	id := l.nextBatch & 0xffffffffffff
 	l.batches[id] = b
 	l.mu.Unlock()
-	for i, op := range ops {
-		wr := transport.WorkRequest{ID: kindRDMA | id<<8 | uint64(i&0xff), Local: op.Local, RemoteAddr: op.Addr, RKey: op.RKey, Op: transport.OpRead}
-		if op.Write {
-			wr.Op = transport.OpWrite
+	for posted := 0; posted < len(ops); {
+		k, err := l.reserveSQ(ctx, len(ops)-posted)
+		if err == nil {
+			b.wrs = b.wrs[:0]
+			for i, op := range ops[posted : posted+k] {
+				wr := transport.WorkRequest{ID: kindRDMA | id<<8 | uint64((posted+i)&0xff), Local: op.Local,
+					RemoteAddr: op.Addr, RKey: op.RKey, Op: transport.OpRead}
+				if op.Write {
+					wr.Op = transport.OpWrite
+				}
+				b.wrs = append(b.wrs, wr)
+			}
+			if err = l.conn.PostSend(b.wrs...); err != nil {
+				l.releaseSQ(k)
+				if !errors.Is(err, transport.ErrQueueFull) {
+					l.fail(fmt.Errorf("post rdma: %w", err))
+					err = l.Err()
+				}
+			}
 		}
-		b.wrs = append(b.wrs, wr)
-	}
-	if err := l.conn.PostSend(b.wrs...); err != nil {
-		l.mu.Lock()
-		delete(l.batches, id)
-		l.mu.Unlock()
-		l.batchPool.Put(b)
-		if errors.Is(err, transport.ErrQueueFull) {
-			return fmt.Errorf("rdma: %w", err)
+		if err != nil {
+			// The rest is not posted: what was posted completes in
+			// its own time, then b.done is signalled.
+			l.abandon(id, b, len(ops)-posted, err)
+			break
 		}
-		l.fail(fmt.Errorf("post rdma: %w", err))
-		return l.Err()
+		posted += k
 	}
-	<-b.done
+	if err := l.waitBatch(b); err != nil {
+		return err
+	}
 	err := b.err
 	l.batchPool.Put(b)
 	return err
+}
+
+// waitBatch waits for b's completions, at most Options.RequestTimeout;
+// then the link is taken down, which completes b. It returns an error
+// only if b cannot be reused.
+func (l *Link) waitBatch(b *batch) error {
+	if l.opts.RequestTimeout <= 0 {
+		<-b.done
+		return nil
+	}
+	t := time.NewTimer(l.opts.RequestTimeout)
+	defer t.Stop()
+	select {
+	case <-b.done:
+	case <-t.C:
+		l.expire(fmt.Errorf("%w: RDMA operations not completed in %v", ErrTimeout, l.opts.RequestTimeout))
+		<-b.done // the poll loop ends with the connection and fails b
+	}
+	return nil
+}
+
+// abandon takes n operations of batch id that will never be posted out of
+// its count, with err.
+func (l *Link) abandon(id uint64, b *batch, n int, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.batches[id] != b {
+		return // failBatches already completed it
+	}
+	if b.err == nil {
+		b.err = err
+	}
+	b.pending -= n
+	if b.pending == 0 {
+		delete(l.batches, id)
+		b.done <- struct{}{}
+	}
+}
+
+func (l *Link) releaseSQ(n int) {
+	l.mu.Lock()
+	l.sqRoom += n
+	l.cond.Broadcast()
+	l.mu.Unlock()
 }
 
 func (l *Link) pollLoop(ctx context.Context) {
@@ -454,6 +629,10 @@ func (l *Link) complete(c *transport.Completion) {
 	case kindRDMA:
 		id := (c.ID &^ kindMask) >> 8
 		l.mu.Lock()
+		l.sqRoom++
+		if l.sqWaiters > 0 {
+			l.cond.Broadcast()
+		}
 		b := l.batches[id]
 		if b == nil {
 			l.mu.Unlock()
@@ -496,6 +675,9 @@ func (l *Link) receive(slot, n int) {
 		return
 	}
 	payload := buf[protocol.HeaderSize:]
+	if l.opts.KeepAlive > 0 {
+		l.lastRecv.Store(time.Now().UnixNano())
+	}
 	l.mu.Lock()
 	l.credits += int(h.Credits)
 	if h.Credits > 0 {
@@ -513,6 +695,20 @@ func (l *Link) receive(slot, n int) {
 		w.err = l.decodeReply(h, payload, w.reply)
 		w.done <- struct{}{}
 	case h.Type == protocol.TypeCredit:
+	case h.Type == protocol.TypeKeepAlive:
+		if len(payload) != 0 || h.Tag == 0 {
+			l.log.Warn("malformed KeepAlive, closing link")
+			l.fail(fmt.Errorf("receive: KeepAlive with tag %d and %d bytes: %w", h.Tag, len(payload), protocol.ErrProtocol))
+			go l.conn.Close()
+			return
+		}
+		l.mu.Lock()
+		l.pongs = append(l.pongs, h.Tag)
+		l.mu.Unlock()
+		select {
+		case l.creditSignal <- struct{}{}:
+		default:
+		}
 	case isReply(h.Type) && h.Tag != 0:
 		// A reply nobody waits for any more (its request was cancelled).
 		// Tag 0 is never a request's: an Error with tag 0 is a notice
@@ -556,15 +752,32 @@ func (l *Link) decodeReply(h protocol.Header, payload []byte, reply protocol.Mes
 	return nil
 }
 
-// creditLoop returns credits with a Credit message when many receive
-// buffers were re-posted and no other message carried them back.
-func (l *Link) creditLoop(ctx context.Context) {
+// serviceLoop sends what the completion goroutine must not wait to send:
+// credits, with a Credit message when many receive buffers were re-posted
+// and no other message carried them back, and the OK replies to the
+// peer's KeepAlive requests.
+func (l *Link) serviceLoop(ctx context.Context) {
 	defer l.wg.Done()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-l.creditSignal:
+		}
+		for {
+			l.mu.Lock()
+			var pong uint64
+			if len(l.pongs) > 0 {
+				pong = l.pongs[0]
+				l.pongs = l.pongs[1:]
+			}
+			l.mu.Unlock()
+			if pong == 0 {
+				break
+			}
+			if err := l.Send(ctx, pong, &protocol.OK{}); err != nil {
+				return
+			}
 		}
 		l.mu.Lock()
 		need := l.toReturn >= l.opts.RecvBuffers/2 && l.down == nil

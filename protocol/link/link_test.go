@@ -24,8 +24,26 @@ type pair struct {
 
 func newPair(t *testing.T, recvBuffers int, flushDelay time.Duration) *pair {
 	t.Helper()
+	return newPairWith(t, pairConfig{recvBuffers: recvBuffers, flushDelay: flushDelay})
+}
+
+// pairConfig configures newPairWith.
+type pairConfig struct {
+	recvBuffers int
+	flushDelay  time.Duration
+	provider    transport.Provider // default tcp.New("tcp")
+	client      func(*Options)     // changes the client's options
+	server      func(*Options)     // changes the server's options
+}
+
+func newPairWith(t *testing.T, cfg pairConfig) *pair {
+	t.Helper()
 	transporttest.CheckGoroutines(t)
-	p := tcp.New("tcp")
+	recvBuffers, flushDelay := cfg.recvBuffers, cfg.flushDelay
+	p := cfg.provider
+	if p == nil {
+		p = tcp.New("tcp")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	l, err := p.Listen(ctx, "127.0.0.1:0")
@@ -64,12 +82,20 @@ func newPair(t *testing.T, recvBuffers int, flushDelay time.Duration) *pair {
 	go func() {
 		req, err := l.Accept(ctx)
 		if err == nil {
-			srv, err = Accept(ctx, req, Options{Handler: handler, RecvBuffers: recvBuffers, SendBuffers: recvBuffers})
+			o := Options{Handler: handler, RecvBuffers: recvBuffers, SendBuffers: recvBuffers}
+			if cfg.server != nil {
+				cfg.server(&o)
+			}
+			srv, err = Accept(ctx, req, o)
 		}
 		close(ready)
 		accepted <- err
 	}()
-	c, err := Dial(ctx, p, l.Addr(), Options{Handler: func(protocol.Header, []byte) {}, RecvBuffers: recvBuffers, SendBuffers: recvBuffers})
+	o := Options{Handler: func(protocol.Header, []byte) {}, RecvBuffers: recvBuffers, SendBuffers: recvBuffers}
+	if cfg.client != nil {
+		cfg.client(&o)
+	}
+	c, err := Dial(ctx, p, l.Addr(), o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +146,7 @@ func TestCredits(t *testing.T) {
 						t.Errorf("reply to the wrong request: %d", g.Offset)
 					}
 				} else {
-					err = p.client.Send(context.Background(), 0, &protocol.Done{Handle: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}})
+					err = p.client.Send(context.Background(), 0, &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}})
 				}
 				if err != nil {
 					t.Error(err)
@@ -144,7 +170,7 @@ func TestRequestContextEnds(t *testing.T) {
 	p := newPair(t, 8, time.Second)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	if err := p.client.Request(ctx, &protocol.Flush{Handle: 1}, &protocol.OK{}); !errors.Is(err, context.DeadlineExceeded) {
+	if err := p.client.Request(ctx, &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("request: %v, want deadline exceeded", err)
 	}
 	// The late reply is dropped and the link still works.
@@ -158,7 +184,7 @@ func TestRequestContextEnds(t *testing.T) {
 func TestCloseWakesWaiters(t *testing.T) {
 	p := newPair(t, 8, time.Hour)
 	res := make(chan error, 1)
-	go func() { res <- p.client.Request(context.Background(), &protocol.Flush{Handle: 1}, &protocol.OK{}) }()
+	go func() { res <- p.client.Request(context.Background(), &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{}) }()
 	time.Sleep(50 * time.Millisecond)
 	p.server.Close()
 	select {

@@ -4,14 +4,19 @@ package cli
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -82,4 +87,64 @@ func MetricsServer(ctx context.Context, addr string, reg *prometheus.Registry, l
 // SignalContext ends on SIGINT or SIGTERM.
 func SignalContext() (context.Context, context.CancelFunc) {
 	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+}
+
+// DefaultHostIDFile holds this host's stable identity, like nvme-cli's
+// /etc/nvme/hostnqn.
+const DefaultHostIDFile = "/etc/rblk/hostid"
+
+// HostID returns the host ID to use: id if not empty, else the one in
+// file, which is created with a random UUID when it does not exist. When
+// the file cannot be read or created, it says why and returns a random ID
+// for this process only (so reconnects still fence the earlier session,
+// but a restart is not recognized as the same host).
+func HostID(id, file string, log *zap.Logger) (string, error) {
+	if id != "" {
+		return id, checkHostID(id)
+	}
+	b, err := os.ReadFile(file)
+	if err == nil {
+		id = strings.TrimSpace(string(b))
+		if err := checkHostID(id); err != nil {
+			return "", fmt.Errorf("host ID in %s: %w", file, err)
+		}
+		return id, nil
+	}
+	id = randomUUID()
+	if !errors.Is(err, fs.ErrNotExist) {
+		log.Warn("cannot read the host ID file: using a random host ID for this run (give --host-id)", zap.String("file", file), zap.Error(err))
+		return id, nil
+	}
+	if err := os.MkdirAll(filepath.Dir(file), 0o755); err == nil {
+		err = os.WriteFile(file, []byte(id+"\n"), 0o644)
+		if err == nil {
+			log.Info("created this host's ID", zap.String("file", file), zap.String("host_id", id))
+			return id, nil
+		}
+	}
+	log.Warn("cannot create the host ID file: using a random host ID for this run (give --host-id)", zap.String("file", file), zap.Error(err))
+	return id, nil
+}
+
+func checkHostID(id string) error {
+	switch {
+	case id == "":
+		return errors.New("empty host ID")
+	case len(id) > 255:
+		return fmt.Errorf("host ID of %d bytes, more than 255", len(id))
+	case !utf8.ValidString(id) || strings.ContainsAny(id, "\x00\n"):
+		return fmt.Errorf("host ID %q: want printable UTF-8", id)
+	}
+	return nil
+}
+
+// randomUUID returns a random (version 4) UUID.
+func randomUUID() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(err) // crypto/rand does not fail on Linux
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
 }

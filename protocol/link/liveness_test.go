@@ -1,0 +1,186 @@
+package link
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/tcp"
+	"github.com/rblk/rblk/transport/transporttest/faultnet"
+)
+
+// stalledServer returns a pair whose server stops processing completions
+// (a peer whose process hangs, or a path that stops delivering) once the
+// returned function is called.
+func stalledServer(t *testing.T, client func(*Options)) (*pair, func()) {
+	t.Helper()
+	fp := faultnet.Wrap(tcp.New("tcp"))
+	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: fp, client: client})
+	return p, func() {
+		for _, c := range fp.Conns() {
+			if transport.Conn(c) != p.client.Conn() {
+				c.Delay(time.Hour)
+			}
+		}
+	}
+}
+
+// TestKeepAliveDetectsSilentPeer: a peer that stops answering is detected
+// within the keepalive timeout, and the link goes down with ErrTimeout.
+func TestKeepAliveDetectsSilentPeer(t *testing.T) {
+	const ka = 600 * time.Millisecond
+	p, stall := stalledServer(t, func(o *Options) { o.KeepAlive = ka })
+	start := time.Now()
+	stall()
+	select {
+	case <-p.client.Done():
+	case <-time.After(10 * ka):
+		t.Fatalf("link still up %v after the peer went silent (keepalive %v)", 10*ka, ka)
+	}
+	if err := p.client.Err(); !errors.Is(err, ErrTimeout) || !errors.Is(err, ErrDown) {
+		t.Fatalf("link down with %v, want ErrTimeout", err)
+	}
+	if took := time.Since(start); took < ka {
+		t.Fatalf("declared dead after %v, before the keepalive timeout %v", took, ka)
+	}
+}
+
+// TestKeepAliveKeepsQuietLinkUp: a quiet link whose peer answers stays up
+// however long it is quiet, on both sides.
+func TestKeepAliveKeepsQuietLinkUp(t *testing.T) {
+	const ka = 300 * time.Millisecond
+	p := newPairWith(t, pairConfig{recvBuffers: 4,
+		client: func(o *Options) { o.KeepAlive = ka },
+		server: func(o *Options) { o.KeepAlive = ka }})
+	// The stimulus is quiet time itself: many keepalive periods.
+	select {
+	case <-p.client.Done():
+		t.Fatalf("client link went down while quiet: %v", p.client.Err())
+	case <-p.server.Done():
+		t.Fatalf("server link went down while quiet: %v", p.server.Err())
+	case <-time.After(12 * ka):
+	}
+	var g protocol.Grant
+	if err := p.client.Request(context.Background(), &protocol.GrantRequest{Handle: 1}, &g); err != nil {
+		t.Fatalf("request after a quiet while: %v", err)
+	}
+}
+
+// TestRequestTimeout: a request the peer never answers takes the link down
+// after Options.RequestTimeout, and so does an RDMA operation that never
+// completes; RequestWithin overrides the timeout.
+func TestRequestTimeout(t *testing.T) {
+	const rt = 300 * time.Millisecond
+	p, stall := stalledServer(t, func(o *Options) { o.RequestTimeout = rt })
+	stall()
+	start := time.Now()
+	err := p.client.Request(context.Background(), &protocol.GrantRequest{Handle: 1}, &protocol.Grant{})
+	if !errors.Is(err, ErrTimeout) {
+		t.Fatalf("request to a silent peer: %v, want ErrTimeout", err)
+	}
+	if took := time.Since(start); took < rt || took > 20*rt {
+		t.Fatalf("request timed out after %v, want about %v", took, rt)
+	}
+	select {
+	case <-p.client.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("link still up after a request timed out")
+	}
+}
+
+// TestRDMATimeout: RDMA operations that never complete end with ErrTimeout.
+func TestRDMATimeout(t *testing.T) {
+	const rt = 300 * time.Millisecond
+	p, stall := stalledServer(t, func(o *Options) { o.RequestTimeout = rt })
+	mem, err := transport.AllocMemory(1<<16, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Free()
+	local, err := p.client.Conn().Register(mem.Bytes(), transport.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Deregister()
+	// The client's own completions are held: its READs never complete.
+	p.client.Conn().(*faultnet.Conn).Delay(time.Hour)
+	stall()
+	err = p.client.RDMA(context.Background(), Op{Local: transport.SGE{Region: local, Length: 8}, Addr: 1, RKey: 2})
+	if !errors.Is(err, ErrDown) {
+		t.Fatalf("RDMA that never completes: %v, want the link down", err)
+	}
+	if lerr := p.client.Err(); !errors.Is(lerr, ErrTimeout) {
+		t.Fatalf("link down with %v, want ErrTimeout", lerr)
+	}
+}
+
+// TestSendQueueAdmission: RDMA chains from many goroutines, some longer
+// than the send queue, and SENDs between them never meet a full queue: no
+// error, the link stays up (before, the chain failed with ErrQueueFull and
+// a SEND meeting a full queue took the link down).
+func TestSendQueueAdmission(t *testing.T) {
+	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: tcp.NewWithOptions("tcp", tcp.Options{SendQueueDepth: 32})})
+	mem, err := transport.AllocMemory(1<<20, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Free()
+	b := mem.Bytes()
+	remote, err := p.server.Conn().Register(b[:1<<19], transport.AccessLocalWrite|transport.AccessRemoteRead|transport.AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer remote.Deregister()
+	local, err := p.client.Conn().Register(b[1<<19:], transport.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer local.Deregister()
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n := 10 + 9*w // 10 to 73 operations: some longer than the queue
+			ops := make([]Op, n)
+			for i := range ops {
+				off := (w*100 + i) * 64
+				ops[i] = Op{Write: i%2 == 0, Local: transport.SGE{Region: local, Offset: off, Length: 64},
+					Addr: remote.Addr() + uint64(off), RKey: remote.RKey()}
+			}
+			for range 30 {
+				if err := p.client.RDMA(ctx, ops...); err != nil {
+					errs <- err
+					return
+				}
+				d := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 64}}}
+				if err := p.client.Send(ctx, 0, d); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("under a full send queue: %v", err)
+	}
+	if err := p.client.Err(); err != nil {
+		t.Fatalf("link went down: %v", err)
+	}
+	// Every Done arrives: the server handler counts them.
+	deadline := time.Now().Add(10 * time.Second)
+	for p.dones.Load() < 8*30 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d Dones arrived", p.dones.Load(), 8*30)
+		}
+		time.Sleep(time.Millisecond) // polling for the count, bounded by the deadline
+	}
+}

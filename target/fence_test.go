@@ -1,0 +1,337 @@
+package target_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/protocol/link"
+	"github.com/rblk/rblk/target"
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/tcp"
+)
+
+// dialAs opens the export as host with a raw client whose handler answers
+// revokes (unless ignoreRevokes), after ackDelay.
+func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*client, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var l *link.Link
+	ready := make(chan struct{})
+	l, err := link.Dial(ctx, e.p, e.addr, link.Options{Handler: func(h protocol.Header, p []byte) {
+		<-ready
+		var r protocol.Revoke
+		if h.Type != protocol.TypeRevoke || r.Unmarshal(p) != nil || ignoreRevokes {
+			return
+		}
+		go func() {
+			select {
+			case <-time.After(ackDelay): // the initiator's own slowness under test
+			case <-l.Done():
+				return
+			}
+			l.Send(context.Background(), h.Tag, &protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation})
+		}()
+	}})
+	if err != nil {
+		return nil, err
+	}
+	close(ready)
+	e.t.Cleanup(func() { l.Close() })
+	c := &client{Link: l}
+	return c, l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol", HostID: host}, &c.info)
+}
+
+// writeChunk writes data at off through a fresh grant and reports it with
+// a Done of generation gen.
+func (c *client) writeChunk(t *testing.T, off uint64, data []byte, gen uint64) error {
+	t.Helper()
+	ctx := context.Background()
+	var g protocol.Grant
+	if err := c.Request(ctx, &protocol.GrantRequest{Handle: c.info.Handle, Flags: protocol.GrantWrite, Offset: off}, &g); err != nil {
+		return err
+	}
+	mem, err := transport.AllocMemory(len(data), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Free()
+	local, err := c.Conn().Register(mem.Bytes(), transport.AccessLocalWrite)
+	if err != nil {
+		return err
+	}
+	defer local.Deregister()
+	copy(local.Bytes(), data)
+	if err := c.RDMA(ctx, link.Op{Write: true, Local: transport.SGE{Region: local, Length: len(data)}, Addr: g.Addr + off - g.Offset, RKey: g.RKey}); err != nil {
+		return err
+	}
+	return c.Send(ctx, 0, &protocol.Done{Handle: c.info.Handle, Generation: gen, Ranges: []protocol.Range{{Offset: off, Length: uint64(len(data))}}})
+}
+
+// TestReinstatementFencesEarlierSession: when a host opens an export again
+// (it reconnected), its earlier session is closed and its grants are dead
+// before the new Open returns, so nothing the old connection still carries
+// can land; the new session writes, flushes, and the file holds its data.
+// Done and Flush of another generation are refused.
+func TestReinstatementFencesEarlierSession(t *testing.T) {
+	e := start(t, false, make([]byte, 1<<20))
+	old, err := e.dialAs("host-a", false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := old.writeChunk(t, 4096, bytes.Repeat([]byte("old!"), 1024), old.info.Generation); err != nil {
+		t.Fatal(err)
+	}
+	// The old session holds a writable grant; keep it for later.
+	var stale protocol.Grant
+	ctx := context.Background()
+	if err := old.Request(ctx, &protocol.GrantRequest{Handle: old.info.Handle, Flags: protocol.GrantWrite, Offset: 0}, &stale); err != nil {
+		t.Fatal(err)
+	}
+
+	// Another host is not fenced by host-a coming back.
+	other, err := e.dialAs("host-b", false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cur, err := e.dialAs("host-a", false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur.info.Generation <= old.info.Generation {
+		t.Fatalf("new generation %d, old %d: want it higher", cur.info.Generation, old.info.Generation)
+	}
+	select {
+	case <-old.Done():
+	default:
+		t.Fatal("the earlier session of host-a is still up after the new Open returned")
+	}
+	if other.Err() != nil {
+		t.Fatalf("host-b's session went down: %v", other.Err())
+	}
+	// A write through the old connection cannot happen any more.
+	if err := old.writeChunk(t, 0, []byte("stale"), old.info.Generation); err == nil {
+		t.Fatal("a write on the fenced session succeeded")
+	}
+	newer := bytes.Repeat([]byte("new!"), 1024)
+	if err := cur.writeChunk(t, 4096, newer, cur.info.Generation); err != nil {
+		t.Fatal(err)
+	}
+	if err := cur.Request(ctx, &protocol.Flush{Handle: cur.info.Handle, Generation: cur.info.Generation}, &protocol.OK{}); err != nil {
+		t.Fatal(err)
+	}
+	file, err := os.ReadFile(e.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(file[4096:8192], newer) || !bytes.Equal(file[:5], make([]byte, 5)) {
+		t.Fatalf("file holds %q... at 0 and %q... at 4096, want zeroes and the new session's data", file[:5], file[4096:4100])
+	}
+	// A Flush naming another generation is refused and the session goes on.
+	err = cur.Request(ctx, &protocol.Flush{Handle: cur.info.Handle, Generation: old.info.Generation}, &protocol.OK{})
+	if !errors.Is(err, protocol.ErrStale) {
+		t.Fatalf("flush of an old generation: %v, want ErrStale", err)
+	}
+	// A Done naming another generation closes the session: a broken
+	// initiator.
+	if err := cur.Send(ctx, 0, &protocol.Done{Handle: cur.info.Handle, Generation: old.info.Generation,
+		Ranges: []protocol.Range{{Offset: 0, Length: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-cur.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a Done of an old generation did not close the session")
+	}
+}
+
+// startWith starts a target with opts (Exports and a registry filled in).
+func startWith(t *testing.T, size int, opts target.Options) (*env, *prometheus.Registry) {
+	t.Helper()
+	path := t.TempDir() + "/vol.img"
+	if err := os.WriteFile(path, make([]byte, size), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	opts.Exports = []target.ExportConfig{{Name: "vol", Path: path}}
+	opts.Registerer = reg
+	tg, err := target.New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := tcp.New("tcp")
+	ctx, cancel := context.WithCancel(context.Background())
+	l, err := p.Listen(ctx, "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { tg.Serve(ctx, l); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+		if err := tg.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return &env{t: t, tg: tg, p: p, addr: l.Addr(), path: path}, reg
+}
+
+func counter(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			var sum float64
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+			return sum
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
+}
+
+// readChunk reads one byte of the chunk at off through a fresh grant and
+// returns how long the grant took.
+func (c *client) grantTime(t *testing.T, off uint64) (time.Duration, error) {
+	t.Helper()
+	start := time.Now()
+	var g protocol.Grant
+	err := c.Request(context.Background(), &protocol.GrantRequest{Handle: c.info.Handle, Offset: off}, &g)
+	return time.Since(start), err
+}
+
+// TestGrantHogDoesNotStallOthers: a session that holds grants on the whole
+// cache and never answers a revoke delays another initiator's grants by
+// about a second, not the revoke timeout, loses its session, and when it
+// comes back at once it cannot take the cache again.
+func TestGrantHogDoesNotStallOthers(t *testing.T) {
+	const revokeTTL = 10 * time.Second
+	e, reg := startWith(t, 4<<20, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL})
+	hog, err := e.dialAs("hog", true, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for i := range 16 { // the whole cache
+		var g protocol.Grant
+		if err := hog.Request(ctx, &protocol.GrantRequest{Handle: hog.info.Handle, Offset: uint64(i) << 16}, &g); err != nil {
+			t.Fatal(err)
+		}
+	}
+	good, err := e.dialAs("good", false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var worst time.Duration
+	for i := 16; i < 48; i++ {
+		d, err := good.grantTime(t, uint64(i)<<16)
+		if err != nil {
+			t.Fatalf("grant %d: %v", i, err)
+		}
+		worst = max(worst, d)
+	}
+	if worst > revokeTTL/3 {
+		t.Fatalf("a grant waited %v behind the hog (revoke timeout %v)", worst, revokeTTL)
+	}
+	select {
+	case <-hog.Done():
+	case <-time.After(revokeTTL):
+		t.Fatal("the hog kept its session")
+	}
+	if n := counter(t, reg, "rblkd_revoke_timeouts_total"); n < 1 {
+		t.Fatalf("revoke timeouts %v, want at least 1", n)
+	}
+	// The hog comes back at once and grabs again: the good initiator still
+	// gets its grants in bounded time, and the hog holds little of the cache.
+	hog2, err := e.dialAs("hog", true, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hogDone := make(chan struct{})
+	go func() {
+		defer close(hogDone)
+		for i := range 64 {
+			var g protocol.Grant
+			if hog2.Request(ctx, &protocol.GrantRequest{Handle: hog2.info.Handle, Offset: uint64(i%64) << 16}, &g) != nil {
+				return
+			}
+		}
+	}()
+	worst = 0
+	for i := range 32 {
+		d, err := good.grantTime(t, uint64(63-i)<<16)
+		if err != nil {
+			t.Fatalf("grant %d with the hog back: %v", i, err)
+		}
+		worst = max(worst, d)
+	}
+	if worst > revokeTTL/3 {
+		t.Fatalf("with the hog back, a grant waited %v (revoke timeout %v)", worst, revokeTTL)
+	}
+	hog2.Close()
+	<-hogDone
+}
+
+// TestEvictionOutlivesRequester: the session whose grant needed an
+// eviction goes away while the holder is still answering the revoke; the
+// holder is not closed (before, the revoke ran under the requester's
+// context and the holder was dropped as if it had not answered).
+func TestEvictionOutlivesRequester(t *testing.T) {
+	e, reg := startWith(t, 2<<20, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: 10 * time.Second})
+	holder, err := e.dialAs("holder", false, 400*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := holder.writeChunk(t, 0, []byte("held"), holder.info.Generation); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	for i := 1; i < 16; i++ {
+		var g protocol.Grant
+		if err := holder.Request(ctx, &protocol.GrantRequest{Handle: holder.info.Handle, Offset: uint64(i) << 16}, &g); err != nil {
+			t.Fatal(err)
+		}
+	}
+	req, err := e.dialAs("requester", false, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	// The grant needs an eviction; the requester leaves before it is done.
+	req.Request(rctx, &protocol.GrantRequest{Handle: req.info.Handle, Offset: 16 << 16}, &protocol.Grant{})
+	req.Close()
+	// The holder answers its revoke late, and keeps its session.
+	deadline := time.Now().Add(10 * time.Second)
+	for counter(t, reg, "rblkd_revokes_total") < 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("no revoke was sent")
+		}
+		time.Sleep(10 * time.Millisecond) // polling a counter, bounded by the deadline
+	}
+	if err := holder.Request(ctx, &protocol.Flush{Handle: holder.info.Handle, Generation: holder.info.Generation}, &protocol.OK{}); err != nil {
+		t.Fatalf("the holder's flush after the requester left: %v", err)
+	}
+	if holder.Err() != nil {
+		t.Fatalf("the holder's session went down: %v", holder.Err())
+	}
+	if n := counter(t, reg, "rblkd_revoke_timeouts_total"); n != 0 {
+		t.Fatalf("%v revoke timeouts", n)
+	}
+	file, _ := os.ReadFile(e.path)
+	if string(file[:4]) != "held" {
+		t.Fatalf("file holds %q, want the holder's write", file[:4])
+	}
+}
