@@ -132,8 +132,8 @@ type Link struct {
 	sqRoom       int           // send queue entries free for RDMA operations
 	sqWaiters    int           // RDMA posts waiting for sqRoom
 
-	lastRecv  atomic.Int64 // when the last message arrived (UnixNano)
-	pinging   atomic.Bool  // a KeepAlive request is in flight
+	lastRecv atomic.Int64 // when the last message arrived (UnixNano)
+	pinging  atomic.Bool  // a KeepAlive request is in flight
 
 	closeOnce sync.Once
 	stop      context.CancelFunc

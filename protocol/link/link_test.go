@@ -184,7 +184,9 @@ func TestRequestContextEnds(t *testing.T) {
 func TestCloseWakesWaiters(t *testing.T) {
 	p := newPair(t, 8, time.Hour)
 	res := make(chan error, 1)
-	go func() { res <- p.client.Request(context.Background(), &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{}) }()
+	go func() {
+		res <- p.client.Request(context.Background(), &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{})
+	}()
 	time.Sleep(50 * time.Millisecond)
 	p.server.Close()
 	select {
