@@ -113,7 +113,7 @@ func TestCLIErrors(t *testing.T) {
 	sock := filepath.Join(sockDir(t), "nbd.sock")
 	free := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	attach := func(extra ...string) []string {
-		return append([]string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", "vol",
+		return append([]string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", tg.addr, "--export", "vol",
 			"--nbd-listen", "unix:" + sock}, extra...)
 	}
 	serve := func(extra ...string) []string {
@@ -138,17 +138,17 @@ func TestCLIErrors(t *testing.T) {
 		{"rblkd metrics port in use", rblkdBin, serve("--metrics-listen", busyAddr), []string{"--metrics-listen", "address already in use"}},
 		{"rblk-attach bad flag", attachBin, attach("--bogus"), []string{"unknown flag: --bogus"}},
 		{"rblk-attach unknown command", attachBin, []string{"detonate"}, []string{"unknown command", "detonate"}},
-		{"rblk-attach no target", attachBin, []string{"attach", "--export", "vol", "--nbd-listen", "unix:" + sock}, []string{"--target"}},
-		{"rblk-attach no export", attachBin, []string{"attach", "--target", tg.addr, "--nbd-listen", "unix:" + sock}, []string{"--export"}},
-		{"rblk-attach no nbd-listen", attachBin, []string{"attach", "--target", tg.addr, "--export", "vol"}, []string{"--nbd-listen"}},
-		{"rblk-attach bad nbd-listen", attachBin, []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", "/tmp/x.sock"},
+		{"rblk-attach no target", attachBin, []string{"attach", "--host-id", "e2e-cli", "--export", "vol", "--nbd-listen", "unix:" + sock}, []string{"--target"}},
+		{"rblk-attach no export", attachBin, []string{"attach", "--host-id", "e2e-cli", "--target", tg.addr, "--nbd-listen", "unix:" + sock}, []string{"--export"}},
+		{"rblk-attach no nbd-listen", attachBin, []string{"attach", "--host-id", "e2e-cli", "--target", tg.addr, "--export", "vol"}, []string{"--nbd-listen"}},
+		{"rblk-attach bad nbd-listen", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", "/tmp/x.sock"},
 			[]string{"unix:PATH"}},
-		{"rblk-attach nbd port in use", attachBin, []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", "tcp:" + busyAddr},
+		{"rblk-attach nbd port in use", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", "tcp:" + busyAddr},
 			[]string{"--nbd-listen", "address already in use"}},
 		{"rblk-attach metrics port in use", attachBin, attach("--metrics-listen", busyAddr), []string{"--metrics-listen", "address already in use"}},
-		{"rblk-attach no such export", attachBin, []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", "nope", "--nbd-listen", "unix:" + sock},
+		{"rblk-attach no such export", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", tg.addr, "--export", "nope", "--nbd-listen", "unix:" + sock},
 			[]string{`"nope"`}},
-		{"rblk-attach target down", attachBin, []string{"attach", "--transport", "tcp", "--target", free, "--export", "vol", "--nbd-listen", "unix:" + sock},
+		{"rblk-attach target down", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", free, "--export", "vol", "--nbd-listen", "unix:" + sock},
 			[]string{free, "connection refused"}},
 		{"rblk-attach list target down", attachBin, []string{"list", "--transport", "tcp", "--target", free}, []string{"connection refused"}},
 		{"rblk-attach list no target", attachBin, []string{"list"}, []string{"--target"}},
@@ -158,7 +158,7 @@ func TestCLIErrors(t *testing.T) {
 		noDev := []string{"--transport rdma", "no RDMA device"}
 		cases = append(cases,
 			cliCase{"rblkd rdma without device", rblkdBin, []string{"serve", "--transport", "rdma", "--listen", free, "--export", "vol=" + img}, noDev},
-			cliCase{"rblk-attach rdma without device", attachBin, []string{"attach", "--transport", "rdma", "--target", tg.addr, "--export", "vol", "--nbd-listen", "unix:" + sock}, noDev},
+			cliCase{"rblk-attach rdma without device", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "rdma", "--target", tg.addr, "--export", "vol", "--nbd-listen", "unix:" + sock}, noDev},
 			cliCase{"rblk-attach list rdma without device", attachBin, []string{"list", "--transport", "rdma", "--target", tg.addr}, noDev},
 		)
 	} else {

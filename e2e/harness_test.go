@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -340,6 +341,12 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 		args := []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", export,
 			"--nbd-listen", "unix:" + sock, "--metrics-listen", metrics}
+		if !slices.Contains(extra, "--host-id") {
+			// Each attacher is a host of its own (and the machine's
+			// /etc/rblk/hostid is left alone): two attaches of one host
+			// and export would fence each other.
+			args = append(args, "--host-id", fmt.Sprintf("e2e-%s-%d", filepath.Base(sock[:len(sock)-len("/nbd.sock")]), attempt))
+		}
 		args = append(args, extra...)
 		p := startProc(t, "rblk-attach", attachBin, args...)
 		a := &attacher{proc: p, sock: sock, metrics: metrics}

@@ -146,6 +146,10 @@ var _ nbd.Backend = (*Volume)(nil)
 // ErrClosed is returned by IO on a closed volume.
 var ErrClosed = errors.New("volume closed")
 
+// ErrFenced is why a volume failed when the target fenced its session
+// because the same host ID opened the export again on another session.
+var ErrFenced = errors.New("fenced by a newer session of this host ID and export")
+
 // ErrLostWrites is returned by Flush once after a lost connection when
 // writes acknowledged since the previous flush may not have reached the
 // backing file.
@@ -278,6 +282,10 @@ func (v *Volume) supervise(s *session) {
 		}
 		v.mu.Unlock()
 		v.m.sessions.Set(0)
+		if err := v.Err(); err != nil {
+			s.teardown()
+			return // failed (fenced): no reconnection
+		}
 		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(s.link.Err()))
 		s.teardown()
 		if v.opts.ReconnectTimeout < 0 {
@@ -431,6 +439,15 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 		var em protocol.ErrorMsg
 		if err := em.Unmarshal(payload); err != nil {
 			s.protocolError(fmt.Errorf("decode Error: %w", err))
+			return
+		}
+		if em.Code == protocol.CodeStale {
+			// Fenced: this host opened the export again on another
+			// session (another attach, or this one after the target saw
+			// it reconnect). Reconnecting would fence that one in turn.
+			v := s.v
+			v.fail(fmt.Errorf("%w: %s", ErrFenced, em.Text))
+			go s.link.Close()
 			return
 		}
 		if em.Code != protocol.CodeShutdown {

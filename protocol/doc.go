@@ -97,8 +97,17 @@
 //     and CodeShutdown, a notice rather than a reply. The initiator then
 //     starts no new operation on the connection, lets those in flight finish
 //     (and sends their Done), sends Flush, and disconnects once it has the OK:
-//     every write it acknowledged is then durable. The target waits a bounded
-//     time for that before it closes the connection itself.
+//     every write it acknowledged is then durable. The target waits while
+//     the initiators make progress (bounded) before it closes the
+//     connection itself.
+//   - When a read-write Open with a host ID fences an earlier session of the
+//     same host ID and export, the target first deregisters that session's
+//     grants and marks its handle stale, then sends it an Error with tag 0
+//     and CodeStale, a notice, and closes its connection. An initiator that
+//     receives the notice stops: it was replaced by another attach of the
+//     same host, and reconnecting would fence that one in turn. (A session
+//     fenced because its own initiator reconnected never sees the notice:
+//     its initiator has already left that connection.)
 //   - Any request may be answered by Error, with the request's tag, instead of
 //     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
 //     matches with ErrStale, ErrPerm and the like. CodeStale means the grant

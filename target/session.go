@@ -53,6 +53,7 @@ type session struct {
 	slowRevokes atomic.Int32  // revokes outstanding for longer than the cache's patience
 	penaltyEnd  atomic.Int64  // UnixNano until which its share is cut (see penalize)
 	opened      bool          // counted in cache.sessions (mu)
+	fenced      bool          // a later session of its identity took over: no more grants (mu)
 	peer        string        // the peer's host, for penalties
 	ended       chan struct{} // closed once the session released everything
 }
@@ -295,8 +296,16 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 			s.held.Add(1)
 		}
 		s.mu.Lock()
-		s.chunks[ch] = struct{}{}
+		fenced := s.fenced
+		if !fenced {
+			s.chunks[ch] = struct{}{}
+		}
 		s.mu.Unlock()
+		if fenced {
+			// Fenced while registering: the grant never leaves.
+			c.dropHolder(ch, s)
+			return fmt.Errorf("grant on %q: session fenced: %w", ov.v.name, protocol.ErrStale)
+		}
 		s.t.m.grants.Inc()
 	}
 	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.region.Addr(), RKey: hd.region.RKey(),
@@ -443,6 +452,24 @@ func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua boo
 	}
 	s.reply(tag, &protocol.OK{})
 	return nil
+}
+
+// fence stops every grant of the session at once, for a reinstatement:
+// its handles are marked stale (Done and Flush refused), no new grant is
+// given, and every grant it holds is deregistered, so that an RDMA
+// operation still in flight on its connection cannot reach the memory.
+func (s *session) fence() {
+	s.mu.Lock()
+	s.fenced = true
+	for _, ov := range s.handles {
+		ov.fenced.Store(true)
+	}
+	chunks := s.chunks
+	s.chunks = make(map[*chunk]struct{})
+	s.mu.Unlock()
+	for ch := range chunks {
+		s.t.cache.dropHolder(ch, s)
+	}
 }
 
 // end releases what the session holds once its link is down: it waits

@@ -347,7 +347,8 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol) error {
 	t.mu.Lock()
 	t.nextGen++
 	ov.gen = t.nextGen
-	if ov.ident.host == "" {
+	if ov.ident.host == "" || !ov.writable {
+		// Anonymous, or read-only: nothing of it can reach the file.
 		t.mu.Unlock()
 		return nil
 	}
@@ -361,9 +362,23 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol) error {
 		return nil
 	}
 	old.ov.fenced.Store(true)
+	old.s.fence()
 	t.m.fenced.Inc()
 	old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
 		zap.String("export", ov.ident.export), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
+	// Tell it, if it still listens (another attach of the same host, not
+	// this one reconnecting), so that it stops instead of fencing back.
+	nctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	notice := &protocol.ErrorMsg{Code: protocol.CodeStale, Text: fmt.Sprintf(
+		"fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)}
+	err := old.s.link.Send(nctx, 0, notice)
+	if err == nil {
+		err = old.s.link.WaitSent(nctx)
+	}
+	if err != nil {
+		old.s.log.Debug("fence notice not delivered", zap.Error(err))
+	}
+	cancel()
 	old.s.link.Close()
 	select {
 	case <-old.s.ended:

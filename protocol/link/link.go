@@ -342,6 +342,29 @@ func (l *Link) Send(ctx context.Context, tag uint64, m protocol.Message) error {
 	return l.post(slot, tag, m)
 }
 
+// WaitSent waits until every message sent so far has completed (the peer's
+// receive buffer holds it), the link is down, or ctx ends.
+func (l *Link) WaitSent(ctx context.Context) error {
+	stopWake := context.AfterFunc(ctx, func() {
+		l.mu.Lock()
+		l.cond.Broadcast()
+		l.mu.Unlock()
+	})
+	defer stopWake()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for len(l.freeSend) < l.opts.SendBuffers {
+		if l.down != nil {
+			return l.down
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		l.cond.Wait()
+	}
+	return nil
+}
+
 // NewTag returns a tag for a request this side originates.
 func (l *Link) NewTag() uint64 {
 	l.mu.Lock()
