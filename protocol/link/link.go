@@ -93,17 +93,21 @@ type Op struct {
 }
 
 type batch struct {
-	pending int
-	err     error
-	done    chan struct{}
-	wrs     []transport.WorkRequest
+	pending  int
+	err      error
+	done     chan struct{}
+	wrs      []transport.WorkRequest
+	deadline int64 // UnixNano after which the watchdog expires the link; 0: none
 }
 
 type waiter struct {
-	tag   uint64
-	reply protocol.Message
-	err   error
-	done  chan struct{}
+	tag      uint64
+	reply    protocol.Message
+	err      error
+	done     chan struct{}
+	typ      protocol.Type // of the request, for the timeout's error
+	timeout  time.Duration
+	deadline int64 // UnixNano after which the watchdog expires the link; 0: none
 }
 
 // Link is one connection of the rblk control protocol.
@@ -200,10 +204,8 @@ func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	l.wg.Add(2)
 	go l.pollLoop(ctx)
 	go l.serviceLoop(ctx)
-	if opts.KeepAlive > 0 {
-		l.wg.Add(1)
-		go l.keepAliveLoop(ctx)
-	}
+	l.wg.Add(1)
+	go l.watchLoop(ctx)
 	return l, nil
 }
 
@@ -395,6 +397,10 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 	}
 	l.nextTag++
 	w.tag = l.nextTag
+	w.typ, w.timeout, w.deadline = m.Type(), timeout, 0
+	if timeout > 0 {
+		w.deadline = time.Now().Add(timeout).UnixNano()
+	}
 	l.waiters[w.tag] = w
 	l.mu.Unlock()
 
@@ -409,23 +415,14 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 		l.waitPool.Put(w)
 		return err
 	}
-	var expired <-chan time.Time
-	if timeout > 0 {
-		t := time.NewTimer(timeout)
-		defer t.Stop()
-		expired = t.C
-	}
+	// The watchdog (see watchLoop) takes the link down at w.deadline,
+	// which signals w.
 	select {
 	case <-w.done:
 		err := w.err
 		w.reply = nil
 		l.waitPool.Put(w)
 		return err
-	case <-expired:
-		l.expire(fmt.Errorf("%w: no reply to %v in %v", ErrTimeout, m.Type(), timeout))
-		<-w.done // fail signals every waiter
-		l.waitPool.Put(w)
-		return l.Err()
 	case <-ctx.Done():
 		l.mu.Lock()
 		_, mine := l.waiters[w.tag]
@@ -504,6 +501,10 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	b := l.batchPool.Get().(*batch)
 	b.err = nil
 	b.pending = len(ops)
+	b.deadline = 0
+	if l.opts.RequestTimeout > 0 {
+		b.deadline = time.Now().Add(l.opts.RequestTimeout).UnixNano()
+	}
 	l.mu.Lock()
 	if l.down != nil {
 		err := l.down
@@ -543,31 +544,12 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 		}
 		posted += k
 	}
-	if err := l.waitBatch(b); err != nil {
-		return err
-	}
+	// The watchdog takes the link down at b.deadline; the poll loop then
+	// ends with the connection and fails b.
+	<-b.done
 	err := b.err
 	l.batchPool.Put(b)
 	return err
-}
-
-// waitBatch waits for b's completions, at most Options.RequestTimeout;
-// then the link is taken down, which completes b. It returns an error
-// only if b cannot be reused.
-func (l *Link) waitBatch(b *batch) error {
-	if l.opts.RequestTimeout <= 0 {
-		<-b.done
-		return nil
-	}
-	t := time.NewTimer(l.opts.RequestTimeout)
-	defer t.Stop()
-	select {
-	case <-b.done:
-	case <-t.C:
-		l.expire(fmt.Errorf("%w: RDMA operations not completed in %v", ErrTimeout, l.opts.RequestTimeout))
-		<-b.done // the poll loop ends with the connection and fails b
-	}
-	return nil
 }
 
 // abandon takes n operations of batch id that will never be posted out of
