@@ -268,17 +268,21 @@ func TestFaultSIGTERMRestart(t *testing.T) {
 	t.Parallel()
 	needRootAndFUSE(t)
 	const size = 16 << 20
-	disk := startSlowDisk(t, make([]byte, size), "100ms")
+	disk := startSlowDisk(t, make([]byte, size), "1000ms")
 	exports := []string{"vol=" + disk.file}
 	tg := startTarget(t, exports)
 	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s")
 	nc := dialNBD(t, at.sock, "vol")
 	want := randomBytes(11, size)
+	// Read everything first: the chunks are then cached, and the writes
+	// below are all in rblkd's memory long before the slow disk has them.
+	nc.readAll(t)
+	start := time.Now()
 	for off := 0; off < size; off += 256 << 10 {
 		nc.mustWrite(t, uint64(off), want[off:off+256<<10])
 	}
-	t.Logf("wrote %d MiB without FLUSH; SIGTERM to rblkd", size>>20)
-	start := time.Now()
+	t.Logf("wrote %d MiB without FLUSH in %v; SIGTERM to rblkd", size>>20, time.Since(start).Round(time.Millisecond))
+	start = time.Now()
 	tg.stop(t, 3*time.Minute)
 	t.Logf("rblkd drained and exited 0 in %v", time.Since(start).Round(time.Millisecond))
 	disk.waitQuiet(t)
