@@ -536,7 +536,7 @@ func (c *Conn) pipe(dir Direction) {
 	defer c.p.wg.Done()
 	defer c.pipeDone()
 	src := c.src(dir)
-	buf := make([]byte, 64<<10)
+	buf := make([]byte, 256<<10)
 	for {
 		if !c.waitRunning(dir) {
 			return
