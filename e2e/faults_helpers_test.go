@@ -244,16 +244,21 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 
 // send writes one NBD request without waiting for its reply; recv reads
 // the next simple reply. Together they keep a request in flight across a
-// fault. Only WRITE, FLUSH and DISC are pipelined this way (no data in the
-// reply).
+// fault. recv reads the reply's header only: after a successful READ the
+// caller reads the data.
 func (n *nbdClient) send(typ uint16, off uint64, payload []byte) (uint64, error) {
+	return n.sendLen(typ, off, uint32(len(payload)), payload)
+}
+
+// sendLen is send with the request's length given: a READ has no payload.
+func (n *nbdClient) sendLen(typ uint16, off uint64, length uint32, payload []byte) (uint64, error) {
 	n.handle++
 	req := binary.BigEndian.AppendUint32(nil, nbdRequestMagic)
 	req = binary.BigEndian.AppendUint16(req, 0)
 	req = binary.BigEndian.AppendUint16(req, typ)
 	req = binary.BigEndian.AppendUint64(req, n.handle)
 	req = binary.BigEndian.AppendUint64(req, off)
-	req = binary.BigEndian.AppendUint32(req, uint32(len(payload)))
+	req = binary.BigEndian.AppendUint32(req, length)
 	req = append(req, payload...)
 	n.c.SetWriteDeadline(time.Now().Add(30 * time.Second))
 	defer n.c.SetWriteDeadline(time.Time{})

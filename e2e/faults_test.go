@@ -430,7 +430,7 @@ func TestFaultLinkReset(t *testing.T) {
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=32M"})
 	px := startProxy(t, tg.addr)
-	at := startAttach(t, viaProxy(tg, px), "vol", "--reconnect-timeout", "60s")
+	at := startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-link-reset"), "--reconnect-timeout", "60s")...)
 	job := []string{"--rw=randwrite", "--bs=16k", "--size=32M", "--verify=crc32c"}
 	fio := startFio(t, append([]string{"--name=rblk", "--ioengine=nbd", "--uri=" + at.uri("vol"), "--iodepth=16",
 		"--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)
@@ -479,6 +479,7 @@ func TestFaultLinkReset(t *testing.T) {
 	nc.close()
 	at.stop(t, stopTimeout)
 	tg.stop(t, stopTimeout)
+	t.Logf("checking that the backing file holds every block fio wrote and verified through the volume")
 	verifyFile(t, backing, job...)
 }
 
@@ -508,7 +509,7 @@ func TestFaultLinkStall(t *testing.T) {
 	px.StallAll()
 	t.Logf("link stalled")
 	start := time.Now()
-	if _, err := nc.send(nbdCmdRead, 4096, nil); err != nil {
+	if _, err := nc.sendLen(nbdCmdRead, 4096, 4096, nil); err != nil {
 		t.Fatal(err)
 	}
 	// A read's reply: header, then the data on success.
