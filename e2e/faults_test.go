@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -132,9 +133,23 @@ func TestFaultKill9(t *testing.T) {
 	}
 	// checkFlushed fails t for every block of snap that lost a write whose
 	// FLUSH returned OK: it must hold that write or a later one of its block.
+	// Then, so that later rounds test something, the model takes the
+	// disk's word for those blocks: the volume now reads what it has.
 	checkFlushed := func(snap []byte, when string, inflight *killWrite) {
 		t.Helper()
 		bad := 0
+		defer func() {
+			if bad == 0 {
+				return
+			}
+			for b := range blocks {
+				got := blockID(b, snap[b*blockSize:(b+1)*blockSize])
+				if got >= 0 && uint32(got) != durable[b] && !slices.ContainsFunc(since, func(w killWrite) bool { return w.blk == b }) &&
+					(inflight == nil || inflight.blk != b) {
+					durable[b], acked[b] = uint32(got), uint32(got)
+				}
+			}
+		}()
 		for b := range blocks {
 			got := blockID(b, snap[b*blockSize:(b+1)*blockSize])
 			ok := got == int64(durable[b])
@@ -248,16 +263,11 @@ func TestFaultKill9(t *testing.T) {
 		copy(durable, acked)
 		since = nil
 		checkFlushed(disk.readReal(t), fmt.Sprintf("round %d, after FLUSH OK on the restarted target", round), nil)
-		if t.Failed() {
-			break
-		}
 	}
 	nc.close()
 	at.stop(t, stopTimeout)
 	tg.stop(t, stopTimeout)
-	if !t.Failed() {
-		checkFlushed(disk.readReal(t), "after both stopped", nil)
-	}
+	checkFlushed(disk.readReal(t), "after both stopped", nil)
 }
 
 // TestFaultSIGTERMRestart restarts rblkd with SIGTERM while much written
