@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -493,20 +494,21 @@ func TestFaultLinkReset(t *testing.T) {
 	verifyFile(t, backing, job...)
 }
 
-// TestFaultLinkStall makes the link between rblk-attach and rblkd silent
-// (the proxy stops forwarding and keeps both sockets open; connections made
-// later are stalled too): with --keepalive-timeout 2s and
-// --reconnect-timeout 3s a read must fail with EIO within 15 s, never hang,
-// and SIGTERM of rblk-attach while the link is stalled must end it within
-// 15 s.
+// TestFaultLinkStall makes the links between two rblk-attach processes and
+// rblkd silent (the proxy stops forwarding and keeps the sockets open;
+// connections made later are stalled too). Both run with
+// --keepalive-timeout 2s and --reconnect-timeout 3s. On the first a read
+// must fail with EIO within 15 s, never hang. The second, with unflushed
+// writes, gets SIGTERM as the link stalls: it must exit within 15 s.
 func TestFaultLinkStall(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=4M"}, "--chunk-size", "64K")
 	px := startProxy(t, tg.addr)
-	at := startAttach(t, viaProxy(tg, px), "vol",
-		append(newFlags("--keepalive-timeout", "2s"), "--reconnect-timeout", "3s")...)
-	nc := dialNBD(t, at.sock, "vol")
+	flags := append(newFlags("--keepalive-timeout", "2s"), "--reconnect-timeout", "3s")
+	reader := startAttach(t, viaProxy(tg, px), "vol", flags...)
+	quitter := startAttach(t, viaProxy(tg, px), "vol", flags...)
+	nc := dialNBD(t, reader.sock, "vol")
 	data := randomBytes(5, 64<<10)
 	nc.mustWrite(t, 0, data)
 	if errno := nc.flush(t); errno != 0 {
@@ -515,41 +517,43 @@ func TestFaultLinkStall(t *testing.T) {
 	if got := nc.mustRead(t, 0, len(data)); !bytes.Equal(got, data) {
 		t.Fatalf("read before the stall: %s", firstDiff(got, data))
 	}
+	nq := dialNBD(t, quitter.sock, "vol")
+	nq.mustWrite(t, 1<<20, data) // not flushed
+	nq.close()
 
 	px.StallAll()
-	t.Logf("link stalled")
+	t.Logf("links stalled")
+	if err := quitter.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("SIGTERM rblk-attach: %v", err)
+	}
 	start := time.Now()
 	if _, err := nc.sendLen(nbdCmdRead, 4096, 4096, nil); err != nil {
 		t.Fatal(err)
 	}
-	// A read's reply: header, then the data on success.
+	// The reply's header; a successful read's data would follow.
 	nc.c.SetReadDeadline(time.Now().Add(15 * time.Second))
 	var hdr [16]byte
 	_, err := io.ReadFull(nc.c, hdr[:])
 	el := time.Since(start)
-	switch {
+	switch errno := binary.BigEndian.Uint32(hdr[4:8]); {
 	case err != nil:
 		t.Errorf("a read on a stalled link got no reply within %v (%v): it hangs", el.Round(time.Millisecond), err)
-	case hdr[4]|hdr[5]|hdr[6]|hdr[7] == 0:
+	case errno == 0:
 		t.Errorf("a read on a stalled link succeeded after %v, want EIO", el)
+	case errno != nbdEIO:
+		t.Errorf("a read on a stalled link failed with errno %d after %v, want EIO", errno, el)
 	default:
-		if errno := uint32(hdr[4])<<24 | uint32(hdr[5])<<16 | uint32(hdr[6])<<8 | uint32(hdr[7]); errno != nbdEIO {
-			t.Errorf("a read on a stalled link failed with errno %d, want EIO", errno)
-		}
-		t.Logf("read on the stalled link failed after %v", el.Round(time.Millisecond))
+		t.Logf("a read on the stalled link failed with EIO after %v", el.Round(time.Millisecond))
 	}
 
-	// SIGTERM while the link is still stalled: rblk-attach must end within
-	// a bound (whatever its exit code: the volume is gone).
-	if err := at.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	start = time.Now()
+	// SIGTERM while the link is stalled: the process must end within the
+	// bound, whatever its exit code (its unflushed writes cannot be made
+	// durable).
 	select {
-	case <-at.done:
-		t.Logf("rblk-attach exited %v after SIGTERM on a stalled link, in %v", at.waitErr, time.Since(start).Round(time.Millisecond))
-		at.checkOutput(t)
-	case <-time.After(15 * time.Second):
+	case <-quitter.done:
+		t.Logf("rblk-attach exited (%v) %v after SIGTERM on a stalled link", quitter.waitErr, time.Since(start).Round(time.Millisecond))
+		quitter.checkOutput(t)
+	case <-time.After(15*time.Second - time.Since(start)):
 		t.Errorf("rblk-attach did not exit within 15s of SIGTERM with the link stalled")
 	}
 	px.ResumeAll()
