@@ -522,3 +522,32 @@ func TestTargetDown(t *testing.T) {
 		t.Errorf("Accepted() = %d with the target down, want 0", px.Accepted())
 	}
 }
+
+func TestResetAllAndDelayAll(t *testing.T) {
+	echo := newPeer(t, true)
+	px := newProxy(t, echo.ln.Addr().String())
+	c1 := dial(t, px.Addr())
+	c2 := dial(t, px.Addr())
+	roundTrip(t, c1, "one")
+	roundTrip(t, c2, "two")
+	px.ResetAll()
+	for i, c := range []net.Conn{c1, c2} {
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := c.Read(make([]byte, 1)); !isReset(err) {
+			t.Errorf("conn %d after ResetAll: %v, want ECONNRESET", i, err)
+		}
+	}
+	// A delay set for all applies to connections accepted later.
+	const d = 100 * time.Millisecond
+	px.SetDelayAll(faultproxy.ServerToClient, d)
+	c3 := dial(t, px.Addr())
+	start := time.Now()
+	roundTrip(t, c3, "three")
+	if el := time.Since(start); el < d {
+		t.Errorf("round trip on a connection accepted after SetDelayAll(%v) took %v", d, el)
+	}
+	px.SetDelayAll(faultproxy.ServerToClient, 0)
+	if n := px.Accepted(); n != 3 {
+		t.Errorf("Accepted() = %d, want 3", n)
+	}
+}
