@@ -271,6 +271,10 @@ func TestStallResume(t *testing.T) {
 	c := dial(t, px.Addr())
 	roundTrip(t, c, "warm")
 	pc, _ := px.WaitConn(ctx10(t), 0)
+	// The echo may come back before the proxy counted the bytes out.
+	if err := pc.WaitFor(ctx10(t), func(s faultproxy.Stats) bool { return s.Delivered == [2]int64{4, 4} }); err != nil {
+		t.Fatal(err)
+	}
 	before := pc.Stats()
 
 	pc.Stall()
