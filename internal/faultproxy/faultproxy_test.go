@@ -390,8 +390,10 @@ func TestHoldBackRelease(t *testing.T) {
 		t.Fatalf("Release: %d, %v", n, err)
 	}
 	sink.wait(t, "released bytes", func() bool { return sink.got[0].String() == "early.late frame" })
-	if s := pc.Stats(); s.Held[faultproxy.ClientToServer] != 0 || s.Delivered[faultproxy.ClientToServer] != int64(len("early.late frame")) {
-		t.Errorf("stats after Release: %+v", s)
+	if err := pc.WaitFor(ctx10(t), func(s faultproxy.Stats) bool {
+		return s.Held[faultproxy.ClientToServer] == 0 && s.Delivered[faultproxy.ClientToServer] == int64(len("early.late frame"))
+	}); err != nil {
+		t.Errorf("stats after Release: %v", err)
 	}
 	// The server's side stays open until someone closes it.
 	pc.CloseServerSide()
