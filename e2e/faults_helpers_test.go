@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -343,4 +344,20 @@ func blockID(blk int, b []byte) int64 {
 		return int64(id)
 	}
 	return -1
+}
+
+// scrapeQuiet returns the text of a /metrics page, or "" if it cannot be
+// had (the process may be gone): for sampling while something runs.
+func scrapeQuiet(addr string) string {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return ""
+	}
+	return string(b)
 }

@@ -803,7 +803,7 @@ func TestFaultBigWritesSmallChunks(t *testing.T) {
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=64M"}, "--chunk-size", "64K")
 	px := startProxy(t, tg.addr)
-	px.SetDelayAll(faultproxy.ServerToClient, 5*time.Millisecond)
+	px.SetDelayAll(faultproxy.ServerToClient, 50*time.Millisecond)
 	at := startAttach(t, viaProxy(tg, px), "vol", "--reconnect-timeout", "60s")
 	// Four jobs (four NBD connections) of queue depth 32, each on its own
 	// 16 MiB. Two passes: in the second every chunk is granted, and each
@@ -813,6 +813,15 @@ func TestFaultBigWritesSmallChunks(t *testing.T) {
 	job := []string{"--rw=write", "--bs=1M", "--size=7M", "--numjobs=8", "--offset=4k", "--offset_increment=8M", "--verify=crc32c"}
 	fio := startFio(t, append([]string{"--name=rblk", "--ioengine=nbd", "--uri=" + at.uri("vol"), "--iodepth=32",
 		"--loops=4", "--do_verify=0", "--end_fsync=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)
+	// How deep the queue really got (sampled).
+	var deepest float64
+	for !fio.exited() {
+		if v, ok := metricSum(scrapeQuiet(at.metrics), "rblk_attach_nbd_requests_in_flight"); ok {
+			deepest = max(deepest, v)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("up to %v NBD requests in flight in rblk-attach (sampled every 20 ms)", deepest)
 	res := fio.wait(t)
 	for _, j := range res.Jobs {
 		if j.Write.IOBytes != 4*7<<20 {
