@@ -184,46 +184,57 @@ func TestFaultKill9(t *testing.T) {
 		if round == 0 {
 			// The case of the issue: a kill -9 right after FLUSH returned
 			// OK, the FLUSH coming while rblkd's background write-back is
-			// busy on the slow disk: one write in every chunk, then the
-			// FLUSH once the first write-back reached the disk.
+			// busy on the slow disk: one write of the whole volume (one
+			// Done: every chunk dirty at once, so one write-back pass takes
+			// them all), then the FLUSH once that pass reached the disk.
+			// First nothing dirty and no write-back pass under way, so
+			// that the pass the FLUSH meets is the one of this write.
+			flushOK("before the write of the whole volume")
+			disk.waitQuiet(t)
 			started, _ := disk.logCounts(t, "Write")
-			for b := 0; b < blocks; b += 16 {
-				w := killWrite{blk: b + rng.IntN(16), id: next}
+			all := make([]byte, 0, blocks*blockSize)
+			for b := range blocks {
+				w := killWrite{blk: b, id: next}
 				next++
-				nc.mustWrite(t, uint64(w.blk*blockSize), blockData(w.blk, w.id))
+				all = append(all, blockData(w.blk, w.id)...)
 				acked[w.blk] = w.id
 				since = append(since, w)
 			}
+			nc.mustWrite(t, 0, all)
 			pollUntil(t, 30*time.Second, "rblkd's background write-back reaching the disk", func() bool {
 				n, _ := disk.logCounts(t, "Write")
 				return n > started
 			})
 			flushOK("right before the kill")
 		}
+		// A third of the later kills come with a write in flight, a third
+		// with a FLUSH in flight.
 		var inflight *killWrite
-		if round > 0 && rng.IntN(2) == 0 {
-			w := killWrite{blk: rng.IntN(blocks), id: next}
-			next++
-			if _, err := nc.send(nbdCmdWrite, uint64(w.blk*blockSize), blockData(w.blk, w.id)); err != nil {
-				t.Fatal(err)
+		flushInFlight := false
+		if round > 0 {
+			switch rng.IntN(3) {
+			case 0:
+				w := killWrite{blk: rng.IntN(blocks), id: next}
+				next++
+				if _, err := nc.send(nbdCmdWrite, uint64(w.blk*blockSize), blockData(w.blk, w.id)); err != nil {
+					t.Fatal(err)
+				}
+				inflight = &w
+			case 1:
+				if _, err := nc.send(nbdCmdFlush, 0, nil); err != nil {
+					t.Fatal(err)
+				}
+				flushInFlight = true
 			}
-			inflight = &w
 		}
-		t.Logf("round %d: kill -9 of rblkd after %d ops; %d writes acknowledged since the last OK flush; write in flight: %v",
-			round, ops, len(since), inflight != nil)
+		t.Logf("round %d: kill -9 of rblkd after %d ops; %d writes acknowledged since the last OK flush; write in flight: %v; FLUSH in flight: %v",
+			round, ops, len(since), inflight != nil, flushInFlight)
 		tg.kill9(t)
 		disk.waitQuiet(t)
-		checkFlushed(disk.readReal(t), fmt.Sprintf("round %d, right after kill -9", round), inflight)
-
-		tg = startTargetOn(t, tg.addr, exports, "--chunk-size", "64K")
-		if inflight != nil {
-			h, errno, err := nc.recv(90 * time.Second)
-			if err != nil || errno != 0 || h != nc.handle {
-				t.Fatalf("round %d: the write in flight at the kill: handle %d (want %d), errno %d, %v", round, h, nc.handle, errno, err)
-			}
-		}
+		// Nothing writes the file until rblkd is back: this is what the
+		// kill left on disk.
 		snap := disk.readReal(t)
-		checkFlushed(snap, fmt.Sprintf("round %d, after the restart", round), inflight)
+		checkFlushed(snap, fmt.Sprintf("round %d, right after kill -9", round), inflight)
 		// Which writes acknowledged since the last OK flush are not on disk
 		// (neither they nor a later write of their block)?
 		var lost []killWrite
@@ -240,14 +251,35 @@ func TestFaultKill9(t *testing.T) {
 				lost = append(lost, w)
 			}
 		}
-		errno := nc.flush(t)
-		t.Logf("round %d: first FLUSH after the restart: errno %d; %d writes acknowledged since the last OK flush, %d of them not on disk", round, errno, len(since), len(lost))
+
+		tg = startTargetOn(t, tg.addr, exports, "--chunk-size", "64K")
+		var errno uint32
+		first := "FLUSH after the restart"
+		switch {
+		case inflight != nil:
+			h, e, err := nc.recv(90 * time.Second)
+			if err != nil || e != 0 || h != nc.handle {
+				t.Fatalf("round %d: the write in flight at the kill: handle %d (want %d), errno %d, %v", round, h, nc.handle, e, err)
+			}
+			errno = nc.flush(t)
+		case flushInFlight:
+			h, e, err := nc.recv(90 * time.Second)
+			if err != nil || h != nc.handle {
+				t.Fatalf("round %d: the FLUSH in flight at the kill: handle %d (want %d), %v", round, h, nc.handle, err)
+			}
+			errno = e
+			first = "FLUSH in flight at the kill"
+		default:
+			errno = nc.flush(t)
+		}
+		checkFlushed(disk.readReal(t), fmt.Sprintf("round %d, after the restart", round), inflight)
+		t.Logf("round %d: %s: errno %d; %d writes acknowledged since the last OK flush, %d of them not on disk", round, first, errno, len(since), len(lost))
 		switch {
 		case len(since) == 0 && errno != 0:
-			t.Errorf("round %d: the first FLUSH after the restart failed with errno %d, but no write was acknowledged since the last OK flush: nothing was lost", round, errno)
+			t.Errorf("round %d: %s failed with errno %d, but no write was acknowledged since the last OK flush: nothing was lost", round, first, errno)
 		case len(lost) > 0 && errno != nbdEIO:
-			t.Errorf("round %d: the first FLUSH after the restart returned errno %d, want EIO (%d): %d acknowledged writes were lost, first block %d write %d",
-				round, errno, nbdEIO, len(lost), lost[0].blk, lost[0].id)
+			t.Errorf("round %d: %s returned errno %d, want EIO (%d): %d acknowledged writes were lost, first block %d write %d",
+				round, first, errno, nbdEIO, len(lost), lost[0].blk, lost[0].id)
 		}
 		if errno != 0 {
 			if e2 := nc.flush(t); e2 != 0 {
