@@ -479,12 +479,12 @@ func TestFaultLinkReset(t *testing.T) {
 		"--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)
 
 	resets := 0
-	for i := range 3 {
+	for i := range 5 {
 		c, err := px.WaitConn(ctxFor(t, 60*time.Second), i)
 		if err != nil {
 			t.Fatal(err)
 		}
-		after := int64(1<<20 + rng.IntN(6<<20))
+		after := int64(512<<10 + rng.IntN(4<<20))
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		err = c.WaitFor(ctx, func(s faultproxy.Stats) bool {
 			return s.Received[faultproxy.ClientToServer] >= after || fio.exited()
@@ -524,6 +524,90 @@ func TestFaultLinkReset(t *testing.T) {
 	tg.stop(t, stopTimeout)
 	t.Logf("checking that the backing file holds every block fio wrote and verified through the volume")
 	verifyFile(t, backing, job...)
+}
+
+// TestFaultLinkResetLosesDone is the deterministic form of the loss
+// TestFaultLinkReset finds at random: the connection is reset right after
+// an RDMA WRITE was executed and acknowledged, while the Done that follows
+// it is on its way. The proxy holds back rblkd's acknowledgement until the
+// WRITE frame was delivered, then holds back rblk-attach's next frame (the
+// Done) and resets the link. The write was acknowledged to the NBD client
+// and rblkd, alive, has the data: nothing may be lost. After a FLUSH (EIO
+// is tolerated once, then it must succeed) the backing file must hold it.
+func TestFaultLinkResetLosesDone(t *testing.T) {
+	t.Parallel()
+	backing := filepath.Join(t.TempDir(), "vol.img")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=1M"}, "--chunk-size", "64K")
+	px := startProxy(t, tg.addr)
+	at := startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-lost-done"), "--reconnect-timeout", "30s")...)
+	const blk = 9
+	off := uint64(blk * blockSize)
+	nc := dialNBD(t, at.sock, "vol")
+	nc.mustWrite(t, off, blockData(blk, 1)) // takes a write grant of the chunk
+	if errno := nc.flush(t); errno != 0 {
+		t.Fatalf("first FLUSH: errno %d", errno)
+	}
+	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.HoldBack(faultproxy.ServerToClient)
+	c.HoldBack(faultproxy.ClientToServer)
+	if _, err := nc.send(nbdCmdWrite, off, blockData(blk, 2)); err != nil {
+		t.Fatal(err)
+	}
+	// The RDMA WRITE frame: 32 bytes of header and the block.
+	if err := c.WaitFor(ctxFor(t, 10*time.Second), faultproxy.HeldAtLeast(faultproxy.ClientToServer, 32+blockSize)); err != nil {
+		t.Fatalf("the RDMA WRITE did not leave rblk-attach: %v", err)
+	}
+	if _, err := c.Release(faultproxy.ClientToServer); err != nil {
+		t.Fatal(err)
+	}
+	c.HoldBack(faultproxy.ClientToServer)
+	// rblkd executes it and acknowledges: let the ACK through, and catch
+	// what rblk-attach sends next, the Done (a SEND frame of at least 32 +
+	// 24 bytes).
+	if err := c.WaitFor(ctxFor(t, 10*time.Second), faultproxy.HeldAtLeast(faultproxy.ServerToClient, 32)); err != nil {
+		t.Fatalf("rblkd did not acknowledge the RDMA WRITE: %v", err)
+	}
+	if _, err := c.Release(faultproxy.ServerToClient); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.WaitFor(ctxFor(t, 10*time.Second), faultproxy.HeldAtLeast(faultproxy.ClientToServer, 32+protocol.HeaderSize)); err != nil {
+		t.Fatalf("rblk-attach sent nothing after the acknowledgement of its WRITE: %v", err)
+	}
+	c.Reset()
+	_, errno, err := nc.recv(60 * time.Second)
+	if err != nil || errno != 0 {
+		t.Fatalf("the write whose Done was lost: errno %d, %v", errno, err)
+	}
+	if id := blockID(blk, nc.mustRead(t, off, blockSize)); id != 2 {
+		t.Errorf("the volume reads write %d of block %d after the reset, want 2 (acknowledged)", id, blk)
+	}
+	first := nc.flush(t)
+	if first != 0 {
+		t.Logf("first FLUSH after the reset: errno %d; again", first)
+		if errno := nc.flush(t); errno != 0 {
+			t.Fatalf("second FLUSH after the reset: errno %d", errno)
+		}
+	}
+	got, err := os.ReadFile(backing)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id := blockID(blk, got[off:off+blockSize]); id != 2 {
+		t.Errorf("backing file block %d holds write %d after FLUSH, want 2: a write acknowledged before a link reset was lost (first FLUSH: errno %d), though rblkd never went away", blk, id, first)
+	}
+	nc.close()
+	at.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
+	got, err = os.ReadFile(backing)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id := blockID(blk, got[off:off+blockSize]); id != 2 {
+		t.Errorf("backing file block %d holds write %d at the end, want 2", blk, id)
+	}
 }
 
 // TestFaultLinkStall makes the links between two rblk-attach processes and
