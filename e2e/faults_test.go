@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -822,11 +823,28 @@ func (h *grantHog) run(ctx context.Context, addr, export string, chunkSize, chun
 }
 
 func (h *grantHog) session(ctx context.Context, p transport.Provider, addr, export string, chunkSize, chunks int) error {
-	ignore := func(protocol.Header, []byte) {} // Revoke included: never answered
-	l, err := link.Dial(ctx, p, addr, link.Options{Handler: ignore})
+	// Revokes are never answered. Any other request of rblkd (a keepalive,
+	// where the protocol has one) gets OK: the hog is alive, only greedy.
+	var lp atomic.Pointer[link.Link]
+	var replies sync.WaitGroup
+	handler := func(h protocol.Header, _ []byte) {
+		if h.Type == protocol.TypeRevoke || h.Tag == 0 {
+			return
+		}
+		if l := lp.Load(); l != nil {
+			replies.Add(1)
+			go func() { // a Handler must not block: send from a goroutine
+				defer replies.Done()
+				l.Send(ctx, h.Tag, &protocol.OK{})
+			}()
+		}
+	}
+	l, err := link.Dial(ctx, p, addr, link.Options{Handler: handler})
 	if err != nil {
 		return fmt.Errorf("grant hog: dial: %w", err)
 	}
+	lp.Store(l)
+	defer replies.Wait()
 	defer l.Close()
 	var info protocol.VolumeInfo
 	if err := l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: export}, &info); err != nil {

@@ -22,9 +22,10 @@
 //     and dropped. Bytes held back from the client (HoldBack) can still be
 //     delivered to the server with Release: the late frames of a
 //     connection its client considers dead.
-//   - Stall and Resume: nothing is forwarded in either direction (nothing is
-//     read from the sockets either, so the senders' buffers fill), and
-//     nothing is sent: the link is silent, not broken.
+//   - Stall and Resume: nothing is forwarded in either direction and
+//     nothing is sent: the link is silent, not broken. The proxy stops
+//     reading too (a read already under way keeps what it gets for the
+//     Resume), so the senders' socket buffers fill as on a dead path.
 //   - SetDelay: every chunk of bytes read in one direction is delivered no
 //     earlier than the delay after it was read.
 //   - HoldBack and Release: bytes read in one direction are kept instead of
