@@ -259,9 +259,12 @@ type Conn struct {
 	hold    [2]bool
 	held    [2][]byte
 	stats   Stats
-	killed  bool    // the proxy closed both sides
-	gone    [2]bool // by side: [0] client socket closed, [1] server socket closed
-	piped   int     // pipes that returned
+	killed  bool // the proxy closed both sides
+	// eofPending: the sender of a direction closed its side while bytes
+	// were held back; Release passes the EOF on after them.
+	eofPending [2]bool
+	gone       [2]bool // by side: [0] client socket closed, [1] server socket closed
+	piped      int     // pipes that returned
 }
 
 func newConn(p *Proxy, id int, client, server *net.TCPConn) *Conn {
@@ -384,22 +387,30 @@ func (c *Conn) Release(dir Direction) (int, error) {
 	b := c.held[dir]
 	c.held[dir] = nil
 	c.hold[dir] = false
-	dstGone := c.gone[1-int(dir)]
+	dstGone := c.gone[dstSide(dir)]
+	eof := c.eofPending[dir]
+	c.eofPending[dir] = false
 	c.notify()
 	c.mu.Unlock()
-	if len(b) == 0 {
-		return 0, nil
-	}
-	if dstGone {
+	defer c.maybeFinish()
+	if len(b) > 0 && dstGone {
 		c.account(dir, 0, len(b))
 		return 0, fmt.Errorf("%v: release %d bytes %v: %w", c, len(b), dir, ErrClosed)
 	}
-	n, err := c.dst(dir).Write(b)
-	c.account(dir, n, len(b)-n)
-	if err != nil {
-		return n, fmt.Errorf("%v: release %d bytes %v: %w", c, len(b), dir, err)
+	var n int
+	if len(b) > 0 {
+		var err error
+		n, err = c.dst(dir).Write(b)
+		c.account(dir, n, len(b)-n)
+		if err != nil {
+			return n, fmt.Errorf("%v: release %d bytes %v: %w", c, len(b), dir, err)
+		}
 	}
-	c.maybeFinish()
+	if eof && !dstGone {
+		// The sender closed its side while its bytes were held: pass the
+		// EOF on after them.
+		c.dst(dir).CloseWrite()
+	}
 	return n, nil
 }
 
@@ -606,6 +617,10 @@ func (c *Conn) deliver(dir Direction, b []byte) {
 // srcEnded handles the end of the sending side of dir: an EOF is passed on
 // as a half-close unless bytes are held back for later, a reset as a reset.
 func (c *Conn) srcEnded(dir Direction, err error) {
+	// Under the write lock of dir, so that a Release runs wholly before or
+	// after: the EOF or reset is passed on after the held bytes.
+	c.wmu[dir].Lock()
+	defer c.wmu[dir].Unlock()
 	c.mu.Lock()
 	killed := c.killed
 	byUs := c.gone[srcSide(dir)]
@@ -622,12 +637,11 @@ func (c *Conn) srcEnded(dir Direction, err error) {
 		} else {
 			c.stats.ServerClosed = true
 		}
+		c.eofPending[dir] = holding
 		c.notify()
 		c.mu.Unlock()
 		if !holding {
-			c.wmu[dir].Lock()
 			c.dst(dir).CloseWrite()
-			c.wmu[dir].Unlock()
 		}
 		return
 	}

@@ -557,3 +557,34 @@ func TestResetAllAndDelayAll(t *testing.T) {
 		t.Errorf("Accepted() = %d, want 3", n)
 	}
 }
+
+func TestReleaseAfterClientEOF(t *testing.T) {
+	sink := newPeer(t, false)
+	px := newProxy(t, sink.ln.Addr().String())
+	c := dial(t, px.Addr())
+	pc, _ := px.WaitConn(ctx10(t), 0)
+	sink.wait(t, "accept", func() bool { return len(sink.conns) == 1 })
+	pc.HoldBack(faultproxy.ClientToServer)
+	c.Write([]byte("last words"))
+	if err := pc.WaitFor(ctx10(t), faultproxy.HeldAtLeast(faultproxy.ClientToServer, 10)); err != nil {
+		t.Fatal(err)
+	}
+	// The client closes; its EOF waits behind the held bytes.
+	c.(*net.TCPConn).CloseWrite()
+	if err := pc.WaitFor(ctx10(t), func(s faultproxy.Stats) bool { return s.ClientClosed }); err != nil {
+		t.Fatal(err)
+	}
+	if err := sink.end(0); err != nil {
+		t.Fatalf("server saw the end (%v) before the held bytes", err)
+	}
+	if _, err := pc.Release(faultproxy.ClientToServer); err != nil {
+		t.Fatal(err)
+	}
+	sink.wait(t, "held bytes, then EOF", func() bool { return sink.ended[0] != nil })
+	sink.mu.Lock()
+	got, end := sink.got[0].String(), sink.ended[0]
+	sink.mu.Unlock()
+	if got != "last words" || !errors.Is(end, io.EOF) {
+		t.Errorf("server got %q and then %v, want %q and EOF", got, end, "last words")
+	}
+}
