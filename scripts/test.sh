@@ -72,9 +72,10 @@ setup() {
 		ensure_go_present_only
 		return
 	fi
-	# qemu-io/qemu-img, nbdinfo and nbdfuse, fio, fusermount3, e2fsprogs,
+	# qemu-io/qemu-img, nbdinfo and nbdfuse, fio, fusermount3, nbdkit (the
+	# slow disk of the fault tests), e2fsprogs,
 	# losetup and mount, and a C toolchain for the race detector.
-	ensure_packages qemu-utils libnbd-bin fio fuse3 e2fsprogs util-linux mount gcc libc6-dev ca-certificates
+	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
