@@ -277,9 +277,7 @@ func (v *Volume) supervise(s *session) {
 		}
 		v.mu.Lock()
 		v.sess = nil
-		if v.writes.Load() > v.flushedAt {
-			v.lost = true
-		}
+		unflushed := v.writes.Load() > v.flushedAt
 		v.mu.Unlock()
 		v.m.sessions.Set(0)
 		if err := v.Err(); err != nil {
@@ -297,14 +295,29 @@ func (v *Volume) supervise(s *session) {
 			v.fail(err)
 			return
 		}
+		// The same target process kept its cache, and wrote back every
+		// chunk the lost session held writable (its last Dones may be
+		// lost): nothing acknowledged is lost. Another process (a
+		// restart) may have lost what was not flushed. Without a host ID
+		// the old session may outlive the reconnect, so no such promise.
+		sameTarget := ns.info.Instance == s.info.Instance && v.opts.HostID != ""
 		v.mu.Lock()
+		if unflushed && !sameTarget {
+			v.lost = true
+		}
 		v.sess = ns
 		close(v.changed)
 		v.changed = make(chan struct{})
 		v.mu.Unlock()
 		v.m.sessions.Set(1)
 		v.m.reconnects.Inc()
-		v.log.Info("reconnected", zap.String("target", v.opts.Target), zap.String("export", v.opts.Export))
+		if unflushed && !sameTarget {
+			v.log.Warn("reconnected to another target instance: writes since the last flush may be lost; the next flush reports it",
+				zap.String("target", v.opts.Target), zap.String("export", v.opts.Export))
+		} else {
+			v.log.Info("reconnected", zap.String("target", v.opts.Target), zap.String("export", v.opts.Export),
+				zap.Bool("same_target_instance", sameTarget))
+		}
 		s = ns
 	}
 }

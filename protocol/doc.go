@@ -283,8 +283,9 @@
 //	8 | name (name len bytes), then host ID (host ID len bytes)       ~
 //	  +---------------------------------------------------------------+
 //
-// VolumeInfo (6), 32 bytes, the reply to Open. Flags are VolumeFlags.
-// Generation is the session's, never 0.
+// VolumeInfo (6), 40 bytes, the reply to Open. Flags are VolumeFlags.
+// Generation is the session's, never 0. Instance names the target process
+// (random; another after a restart).
 //
 //	     0       1       2       3       4       5       6       7
 //	   +-------------------------------+-------------------------------+
@@ -295,6 +296,8 @@
 //	16 |          block size           |          chunk size           |
 //	   +-------------------------------+-------------------------------+
 //	24 |                      session generation                       |
+//	   +---------------------------------------------------------------+
+//	32 |                        target instance                        |
 //	   +---------------------------------------------------------------+
 //
 // GrantRequest (7), 16 bytes. Flags: GrantWrite (1). Offset is any offset in

@@ -17,7 +17,7 @@ const (
 	exportListFixed  = 2
 	exportEntryFixed = 1 + 8 + 4
 	openFixedSize    = 8
-	volumeInfoSize   = 32
+	volumeInfoSize   = 40
 	grantRequestSize = 16
 	grantSize        = 40
 	revokeSize       = 24
@@ -542,6 +542,13 @@ type VolumeInfo struct {
 	// the same host ID and export. Done and Flush carry it; the target
 	// refuses those naming an older generation (CodeStale).
 	Generation uint64
+	// Instance names the target process: random, the same for every
+	// session while it runs, another after a restart. An initiator that
+	// reconnects to the same instance knows the target's cache survived
+	// (a lost connection then loses no acknowledged write: the target
+	// writes back whole chunks a lost session held writable); another
+	// instance means writes acknowledged since the last flush may be gone.
+	Instance uint64
 }
 
 func (m *VolumeInfo) Type() Type { return TypeVolumeInfo }
@@ -561,6 +568,7 @@ func (m *VolumeInfo) MarshalTo(b []byte) int {
 	be.PutUint32(b[16:], m.BlockSize)
 	be.PutUint32(b[20:], m.ChunkSize)
 	be.PutUint64(b[24:], m.Generation)
+	be.PutUint64(b[32:], m.Instance)
 	return volumeInfoSize
 }
 
@@ -575,6 +583,7 @@ func (m *VolumeInfo) Unmarshal(p []byte) error {
 		BlockSize:  be.Uint32(p[16:]),
 		ChunkSize:  be.Uint32(p[20:]),
 		Generation: be.Uint64(p[24:]),
+		Instance:   be.Uint64(p[32:]),
 	}
 	if err := m.validate(); err != nil {
 		return decodeErr(TypeVolumeInfo, err)

@@ -412,6 +412,24 @@ func (c *cache) dropHolder(ch *chunk, s *session) {
 	}
 }
 
+// dropHolderLost drops s's grant of ch when s went away without telling
+// what it wrote (its connection was lost, it was fenced, or it did not
+// answer a revoke): if the grant was writable, every block of the chunk
+// counts as dirty, since the cache holds whatever its RDMA WRITEs placed and
+// their Done may be lost with the connection, although the initiator
+// acknowledged those writes. Writing back blocks nobody changed is harmless:
+// the cache holds what the file holds.
+func (c *cache) dropHolderLost(ch *chunk, s *session) {
+	c.mu.Lock()
+	h, ok := ch.holders[s]
+	c.mu.Unlock()
+	if ok && h.region.Access()&transport.AccessRemoteWrite != 0 {
+		ch.markDirty(0, uint64(len(ch.buf)))
+		ch.key.vol.markDirty(ch)
+	}
+	c.dropHolder(ch, s)
+}
+
 // writeback writes ch's dirty blocks to its volume's file.
 func (c *cache) writeback(ch *chunk) error {
 	ch.wbMu.Lock()

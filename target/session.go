@@ -233,7 +233,7 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
 	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
-		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen}, nil
+		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}, nil
 }
 
 func volFlags(v *volume) protocol.VolumeFlags {
@@ -340,7 +340,11 @@ func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience
 		s.t.penalize(s)
 		s.link.Close()
 	}
-	s.t.cache.dropHolder(ch, s)
+	if err != nil {
+		s.t.cache.dropHolderLost(ch, s)
+	} else {
+		s.t.cache.dropHolder(ch, s)
+	}
 	s.mu.Lock()
 	delete(s.chunks, ch)
 	s.mu.Unlock()
@@ -468,7 +472,7 @@ func (s *session) fence() {
 	s.chunks = make(map[*chunk]struct{})
 	s.mu.Unlock()
 	for ch := range chunks {
-		s.t.cache.dropHolder(ch, s)
+		s.t.cache.dropHolderLost(ch, s)
 	}
 }
 
@@ -485,8 +489,18 @@ func (s *session) end() {
 	opened := s.opened
 	s.opened = false
 	s.mu.Unlock()
+	// A session that ends with a writable handle still open did not close
+	// cleanly (Flush, then Close): its last Dones may be lost.
+	lost := false
+	for _, ov := range handles {
+		lost = lost || ov.writable
+	}
 	for ch := range chunks {
-		s.t.cache.dropHolder(ch, s)
+		if lost {
+			s.t.cache.dropHolderLost(ch, s)
+		} else {
+			s.t.cache.dropHolder(ch, s)
+		}
 	}
 	for _, ov := range handles {
 		s.t.forget(s, ov)

@@ -2,6 +2,8 @@ package target
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -85,6 +87,9 @@ type Target struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
+	// instance names this target process in VolumeInfo: random, never 0.
+	instance uint64
+
 	// progress counts what a drain waits on: requests served, write-back
 	// and session ends.
 	progress atomic.Uint64
@@ -133,7 +138,11 @@ func New(opts Options) (*Target, error) {
 	if len(opts.Exports) == 0 {
 		return nil, errors.New("no exports")
 	}
-	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer),
+	var inst [8]byte
+	if _, err := rand.Read(inst[:]); err != nil {
+		return nil, fmt.Errorf("target instance: %w", err)
+	}
+	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
 		idents: make(map[ident]identEntry), penalties: make(map[string]time.Time)}
 	for i, e := range opts.Exports {

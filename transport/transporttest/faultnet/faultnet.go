@@ -97,6 +97,7 @@ type Conn struct {
 	transport.Conn
 
 	delay        atomic.Int64 // time.Duration
+	loseSend     atomic.Bool  // the next SEND is lost with the connection
 	disconnected atomic.Bool
 
 	mu   sync.Mutex
@@ -111,6 +112,29 @@ type Conn struct {
 func (c *Conn) Disconnect() {
 	c.disconnected.Store(true)
 	c.Conn.Close()
+}
+
+// LoseNextSend makes the next SEND posted on c vanish with the connection:
+// the work requests before it in the same post go out, the SEND does not,
+// and c is disconnected, as if the cable was pulled while the SEND was on
+// the wire. The poster learns nothing until the connection breaks.
+func (c *Conn) LoseNextSend() { c.loseSend.Store(true) }
+
+// PostSend posts wrs, unless LoseNextSend is armed and wrs holds a SEND.
+func (c *Conn) PostSend(wrs ...transport.WorkRequest) error {
+	if c.loseSend.Load() {
+		for i, wr := range wrs {
+			if wr.Op == transport.OpSend && c.loseSend.CompareAndSwap(true, false) {
+				var err error
+				if i > 0 {
+					err = c.Conn.PostSend(wrs[:i]...)
+				}
+				c.Disconnect()
+				return err
+			}
+		}
+	}
+	return c.Conn.PostSend(wrs...)
 }
 
 // Disconnected reports whether Disconnect was called.
