@@ -13,6 +13,96 @@ import (
 	"github.com/rblk/rblk/transport"
 )
 
+// tryAcquire takes a reference on the grant of every chunk of idxs if all
+// of them are held and usable, and reports whether it did.
+func (s *session) tryAcquire(b *ioBuf, idxs []uint64, write bool) bool {
+	v := s.v
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	var ok bool
+	b.grants, ok = s.grants.tryAcquire(idxs, write, b.grants)
+	return ok
+}
+
+// acquire makes sure the chunks idxs are granted, then takes a reference on
+// each, all at once: no reference is held while waiting for a grant, so a
+// revoke never waits on an IO that waits on another grant. With a single
+// chunk it always makes progress: a grant just fetched is referenced before
+// a revoke of it can take effect.
+func (s *session) acquire(ctx context.Context, b *ioBuf, idxs []uint64, write bool) error {
+	v := s.v
+	v.mu.Lock()
+	for {
+		var st acquireStep
+		b.grants, st = s.grants.acquire(idxs, write, b.grants)
+		switch st.kind {
+		case acquired:
+			v.mu.Unlock()
+			return nil
+		case waitFetch:
+			v.mu.Unlock()
+			select {
+			case <-st.wait:
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-s.link.Done():
+				return s.link.Err()
+			}
+			v.mu.Lock()
+			continue
+		}
+		v.mu.Unlock()
+		if st.replaced {
+			v.m.grantsHeld.Dec() // replaced by a writable one
+		}
+		gr, err := s.fetch(ctx, st.idx)
+		v.mu.Lock()
+		if err != nil {
+			s.grants.fetchFailed(st.grant)
+			v.mu.Unlock()
+			return err
+		}
+		if err := s.grants.fetched(st.grant, &gr); err != nil {
+			v.mu.Unlock()
+			s.protocolError(err)
+			return protocol.ErrProtocol
+		}
+		v.m.grantsHeld.Inc()
+		// Still holding the mutex: the next acquire references the grant
+		// before a Revoke waiting for this fetch can take it.
+	}
+}
+
+// fetch asks the target for a grant of chunk idx.
+func (s *session) fetch(ctx context.Context, idx uint64) (protocol.Grant, error) {
+	v := s.v
+	start := time.Now()
+	req := protocol.GrantRequest{Handle: s.info.Handle, Offset: idx * uint64(s.info.ChunkSize)}
+	if !v.ReadOnly() {
+		req.Flags = protocol.GrantWrite
+	}
+	var gr protocol.Grant
+	v.m.grantRequests.Inc()
+	if err := s.link.Request(ctx, &req, &gr); err != nil {
+		v.m.errors.WithLabelValues("grant").Inc()
+		return gr, fmt.Errorf("grant of chunk at %d: %w", req.Offset, err)
+	}
+	v.m.grantSeconds.Observe(time.Since(start).Seconds())
+	return gr, nil
+}
+
+// releaseGrants gives back the references b holds.
+func (s *session) releaseGrants(b *ioBuf) {
+	v := s.v
+	v.mu.Lock()
+	if s.grants.release(b.grants) {
+		v.cond.Broadcast()
+	}
+	v.mu.Unlock()
+	clear(b.grants)
+	b.grants = b.grants[:0]
+}
+
 // ops fills b.ops with one operation per piece of the volume range
 // [lo, hi), within one chunk and one buffer segment, of a request of b at
 // off. b.grants holds the grants of the chunks of [lo, hi), in order.
@@ -154,7 +244,7 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 // it before any RevokeAck for those chunks.
 func (s *session) rdma(ctx context.Context, b *ioBuf, off, lo, hi uint64, write, fua bool) error {
 	v := s.v
-	defer v.releaseGrants(b)
+	defer s.releaseGrants(b)
 	op := "read"
 	if write {
 		op = "write"

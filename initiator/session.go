@@ -20,8 +20,8 @@ type session struct {
 	link   *link.Link
 	region transport.Region // the IO buffers, registered on this connection
 	info   protocol.VolumeInfo
-	grants map[uint64]*grant // guarded by v.mu
-	wg     sync.WaitGroup    // revoke and drain goroutines
+	grants grantTable     // guarded by v.mu
+	wg     sync.WaitGroup // revoke and drain goroutines
 
 	inflight int  // operations using the session (v.mu)
 	draining bool // the target is shutting down: no new operations (v.mu)
@@ -29,7 +29,7 @@ type session struct {
 
 // connect dials the target, opens the volume and registers the IO buffers.
 func (v *Volume) connect(ctx context.Context) (*session, error) {
-	s := &session{v: v, grants: make(map[uint64]*grant)}
+	s := &session{v: v}
 	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
 		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
 	if err != nil {
@@ -60,6 +60,7 @@ func (v *Volume) connect(ctx context.Context) (*session, error) {
 		return nil, fmt.Errorf("volume %q changed on %s: size %d, chunk size %d, was %d and %d", v.opts.Export, v.opts.Target,
 			s.info.VolumeSize, s.info.ChunkSize, v.info.VolumeSize, v.info.ChunkSize)
 	}
+	s.grants = newGrantTable(s.info.ChunkSize)
 	s.region, err = l.Conn().Register(v.mem.Bytes(), transport.AccessLocalWrite)
 	if err != nil {
 		l.Close()
@@ -74,13 +75,7 @@ func (s *session) teardown() {
 	s.wg.Wait()
 	s.region.Deregister()
 	s.v.mu.Lock()
-	for idx, g := range s.grants {
-		if g.valid {
-			s.v.m.grantsHeld.Dec()
-		}
-		g.valid = false
-		delete(s.grants, idx)
-	}
+	s.v.m.grantsHeld.Sub(float64(s.grants.teardown()))
 	s.v.mu.Unlock()
 }
 
@@ -153,31 +148,22 @@ func (s *session) protocolError(err error) {
 func (s *session) revoke(tag uint64, r *protocol.Revoke) {
 	v := s.v
 	v.m.revokes.Inc()
-	idx := r.Offset / uint64(s.info.ChunkSize)
 	v.mu.Lock()
 	// The Revoke may overtake the reply of a grant being fetched: wait for
 	// the fetch to finish before deciding whether this generation is held.
-	for {
-		g := s.grants[idx]
-		if g == nil || g.fetching == nil {
-			break
-		}
-		ch := g.fetching
+	st := s.grants.revoke(r.Offset, r.Generation, false)
+	for st.wait != nil {
 		v.mu.Unlock()
 		select {
-		case <-ch:
+		case <-st.wait:
 		case <-s.link.Done():
 		}
 		v.mu.Lock()
-		if s.link.Err() != nil {
-			break
-		}
+		st = s.grants.revoke(r.Offset, r.Generation, s.link.Err() != nil)
 	}
-	if g := s.grants[idx]; g != nil && g.valid && g.gen == r.Generation {
-		g.valid = false
-		delete(s.grants, idx)
+	if st.drain != nil {
 		v.m.grantsHeld.Dec()
-		for g.refs > 0 {
+		for !s.grants.drained(st.drain) {
 			v.cond.Wait()
 		}
 	}
