@@ -38,16 +38,23 @@ type grant struct {
 //   - revoked: the grant left the table; no new references. The Revoke's
 //     ack waits until the references held drain to zero.
 //
-// The transitions:
+// The transitions (event: what the caller is told):
 //
-//	absent   --acquire-->                  fetching  (startFetch)
-//	valid    --acquire for write, read-only--> fetching (startFetch, replaced)
-//	fetching --fetched-->                  valid     (waiters are woken)
-//	fetching --fetchFailed, bad reply-->   absent    (waiters are woken)
-//	fetching --revoke-->                   fetching  (the Revoke waits: it may have overtaken the reply)
-//	valid    --revoke of its generation--> revoked   (drain, then ack)
-//	any      --revoke of another generation--> unchanged (ack at once)
-//	any      --teardown-->                 absent
+//	absent    acquire                        -> fetching  startFetch
+//	valid     acquire for a write, read-only -> fetching  startFetch, replaced
+//	fetching  acquire                        -> fetching  waitFetch
+//	fetching  fetched                        -> valid     (waiters woken)
+//	fetching  fetchFailed, fetched bad reply -> absent    (waiters woken)
+//	fetching  revoke                         -> fetching  wait (it may have overtaken the reply)
+//	fetching  revoke, link down              -> fetching  ack
+//	valid     revoke of its generation       -> revoked   drain, then ack
+//	valid     revoke of another generation   -> valid     ack
+//	absent    revoke                         -> absent    ack
+//	revoked   release of the last reference  -> (gone)    wake: the drain is over
+//	any       teardown                       -> absent    (valid ones counted)
+//
+// The fetch's channel is the only one: waiters need something to select on
+// with their context and the link.
 //
 // A read-only grant replaced by a writable one leaves the table but stays
 // usable by the IO that holds references on it; it is no longer counted as
