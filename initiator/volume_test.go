@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -82,6 +83,33 @@ func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chu
 	return r
 }
 
+// dialWatch is a provider that counts the dials that failed: the volume's
+// attempts to reconnect while the target is down.
+type dialWatch struct {
+	transport.Provider
+	failed atomic.Int64
+}
+
+func (d *dialWatch) Dial(ctx context.Context, addr string, privateData []byte) (transport.Conn, error) {
+	c, err := d.Provider.Dial(ctx, addr, privateData)
+	if err != nil {
+		d.failed.Add(1)
+	}
+	return c, err
+}
+
+// waitFor polls cond for up to 10s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 func (r *rig) open(ro bool) *initiator.Volume {
 	return r.openWith(initiator.Options{ReadOnly: ro})
 }
@@ -90,7 +118,10 @@ func (r *rig) openWith(o initiator.Options) *initiator.Volume {
 	r.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	o.Provider, o.Target, o.Export = r.p, r.addr, "vol"
+	if o.Provider == nil {
+		o.Provider = r.p
+	}
+	o.Target, o.Export = r.addr, "vol"
 	v, err := initiator.Open(ctx, o)
 	if err != nil {
 		r.t.Fatal(err)
@@ -317,7 +348,8 @@ func TestTargetRestart(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "vol.img")
 	r := startTargetAt(t, path, "127.0.0.1:0", 1<<20, 1<<20, 64<<10, false)
 	addr := r.addr
-	v := r.openWith(initiator.Options{ReconnectTimeout: 20 * time.Second})
+	dials := &dialWatch{Provider: r.p}
+	v := r.openWith(initiator.Options{Provider: dials, ReconnectTimeout: 20 * time.Second})
 
 	// 1. Flushed writes, clean restart: no error anywhere.
 	if err := write(t, v, 0, []byte("flushed"), false); err != nil {
@@ -344,8 +376,17 @@ func TestTargetRestart(t *testing.T) {
 	}
 	r.stop()
 	res := make(chan error, 1)
-	go func() { res <- write(t, v, 70000, []byte("during"), false) }()
-	time.Sleep(300 * time.Millisecond)
+	started := make(chan struct{})
+	go func() {
+		close(started)
+		res <- write(t, v, 70000, []byte("during"), false)
+	}()
+	// The write waits while the volume tries to reconnect: it is still
+	// waiting after the volume failed to reach the target three more
+	// times (backing off, 150ms at least).
+	<-started
+	failed := dials.failed.Load()
+	waitFor(t, "3 failed reconnection attempts", func() bool { return dials.failed.Load() >= failed+3 })
 	select {
 	case err := <-res:
 		t.Fatalf("write finished while the target was down: %v", err)

@@ -392,13 +392,16 @@ func TestBackpressure(t *testing.T) {
 		<-release
 	}
 	be.hook.Store(&hook)
-	ts := startServer(t, Options{Exports: []*Export{rwExport("vol", be)}, MaxInFlight: 3})
+	m := NewMetrics(nil)
+	ts := startServer(t, Options{Exports: []*Export{rwExport("vol", be)}, MaxInFlight: 3, Metrics: m})
 	rc := dialGo(t, ts.sock, "vol")
 	for i := 0; i < 10; i++ {
 		rc.request(cmdRead, 0, uint64(i), 0, 512, nil)
 	}
 	waitFor(t, "3 requests in the backend", func() bool { return entered.Load() == 3 })
-	time.Sleep(50 * time.Millisecond)
+	// The reader read a 4th request (in flight: read, not replied to) and
+	// holds it, with no worker free, instead of handing it to the backend.
+	waitFor(t, "a 4th request read", func() bool { return testutil.ToFloat64(m.inFlight) == 4 })
 	if n := entered.Load(); n != 3 {
 		t.Fatalf("%d requests in the backend with MaxInFlight 3", n)
 	}

@@ -16,10 +16,25 @@ import (
 
 // pair dials a link to a listening link over the software provider. The
 // server side answers GrantRequest with a Grant echoing the offset, Flush
-// with OK after delay, and counts Dones.
+// with OK after delay, and counts Dones, the Flushes it got and the OKs it
+// sent them.
 type pair struct {
 	client, server *Link
 	dones          atomic.Int64
+	flushes        atomic.Int64 // Flush requests received
+	flushReplies   atomic.Int64 // their OKs sent
+}
+
+// waitFor polls cond for up to 10s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 func newPair(t *testing.T, recvBuffers int, flushDelay time.Duration) *pair {
@@ -67,10 +82,13 @@ func newPairWith(t *testing.T, cfg pairConfig) *pair {
 			}
 			go srv.Send(context.Background(), h.Tag, &protocol.Grant{Handle: g.Handle, Offset: g.Offset, Addr: 1, RKey: 2, Length: 4096, Generation: 3})
 		case protocol.TypeFlush:
+			pr.flushes.Add(1)
 			go func() {
 				select {
 				case <-time.After(flushDelay):
-					srv.Send(context.Background(), h.Tag, &protocol.OK{})
+					if srv.Send(context.Background(), h.Tag, &protocol.OK{}) == nil {
+						pr.flushReplies.Add(1)
+					}
 				case <-srv.Done():
 				}
 			}()
@@ -173,8 +191,9 @@ func TestRequestContextEnds(t *testing.T) {
 	if err := p.client.Request(ctx, &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("request: %v, want deadline exceeded", err)
 	}
-	// The late reply is dropped and the link still works.
-	time.Sleep(1100 * time.Millisecond)
+	// The late reply is dropped and the link still works. Once the server
+	// sent it, the reply to the next request comes after it.
+	waitFor(t, "the late reply", func() bool { return p.flushReplies.Load() == 1 })
 	var g protocol.Grant
 	if err := p.client.Request(context.Background(), &protocol.GrantRequest{Handle: 1}, &g); err != nil {
 		t.Fatal(err)
@@ -187,7 +206,7 @@ func TestCloseWakesWaiters(t *testing.T) {
 	go func() {
 		res <- p.client.Request(context.Background(), &protocol.Flush{Handle: 1, Generation: 1}, &protocol.OK{})
 	}()
-	time.Sleep(50 * time.Millisecond)
+	waitFor(t, "the server to get the request", func() bool { return p.flushes.Load() == 1 })
 	p.server.Close()
 	select {
 	case err := <-res:

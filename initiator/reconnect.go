@@ -1,0 +1,154 @@
+package initiator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// supervise waits for the session to go down and reconnects.
+func (v *Volume) supervise(s *session) {
+	defer close(v.superDone)
+	for {
+		select {
+		case <-v.stop:
+			return
+		case <-s.link.Done():
+		}
+		v.mu.Lock()
+		v.sess = nil
+		unflushed := v.writes.Load() > v.flushedAt
+		v.mu.Unlock()
+		v.m.sessions.Set(0)
+		if err := v.Err(); err != nil {
+			s.teardown()
+			return // failed (fenced): no reconnection
+		}
+		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(s.link.Err()))
+		s.teardown()
+		if v.opts.ReconnectTimeout < 0 {
+			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, s.link.Err()))
+			return
+		}
+		ns, err := v.reconnect()
+		if err != nil {
+			v.fail(err)
+			return
+		}
+		// The same target process kept its cache, and wrote back every
+		// chunk the lost session held writable (its last Dones may be
+		// lost): nothing acknowledged is lost. Another process (a
+		// restart) may have lost what was not flushed. Without a host ID
+		// the old session may outlive the reconnect, so no such promise.
+		sameTarget := ns.info.Instance == s.info.Instance && v.opts.HostID != ""
+		v.mu.Lock()
+		if unflushed && !sameTarget {
+			v.lost = true
+		}
+		v.sess = ns
+		close(v.changed)
+		v.changed = make(chan struct{})
+		v.mu.Unlock()
+		v.m.sessions.Set(1)
+		v.m.reconnects.Inc()
+		if unflushed && !sameTarget {
+			v.log.Warn("reconnected to another target instance: writes since the last flush may be lost; the next flush reports it",
+				zap.String("target", v.opts.Target), zap.String("export", v.opts.Export))
+		} else {
+			v.log.Info("reconnected", zap.String("target", v.opts.Target), zap.String("export", v.opts.Export),
+				zap.Bool("same_target_instance", sameTarget))
+		}
+		s = ns
+	}
+}
+
+// reconnect dials until it succeeds, the timeout passes or the volume closes.
+func (v *Volume) reconnect() (*session, error) {
+	deadline := time.Now().Add(v.opts.ReconnectTimeout)
+	wait := 50 * time.Millisecond
+	var lastErr error
+	for attempt := 1; ; attempt++ {
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		go func() {
+			select {
+			case <-v.stop:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		s, err := v.connect(ctx)
+		cancel()
+		if err == nil {
+			return s, nil
+		}
+		lastErr = err
+		if attempt == 1 || attempt%20 == 0 {
+			v.log.Info("reconnecting", zap.String("target", v.opts.Target), zap.Int("attempt", attempt), zap.Error(err))
+		}
+		select {
+		case <-v.stop:
+			return nil, ErrClosed
+		case <-time.After(wait):
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("target %s did not come back within %v: %w", v.opts.Target, v.opts.ReconnectTimeout, lastErr)
+		}
+		wait = min(wait*2, 2*time.Second)
+	}
+}
+
+// fail ends the volume: IO fails from now on.
+func (v *Volume) fail(err error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.failed != nil {
+		return
+	}
+	v.failed = err
+	close(v.done)
+	close(v.changed)
+	v.changed = make(chan struct{})
+	if !errors.Is(err, ErrClosed) {
+		v.log.Error("volume failed", zap.String("export", v.opts.Export), zap.Error(err))
+	}
+}
+
+// current returns the session to do IO on, waiting while reconnecting.
+// The caller calls put when it no longer uses it.
+func (v *Volume) current(ctx context.Context) (*session, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for {
+		if v.failed != nil {
+			return nil, v.failed
+		}
+		if s := v.sess; s != nil && !s.draining && s.link.Err() == nil {
+			s.inflight++
+			return s, nil
+		}
+		// Reconnecting, draining, or the link just went down and
+		// supervise has not noticed yet: changed is closed when the next
+		// session is in place or the volume fails.
+		ch := v.changed
+		v.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			v.mu.Lock()
+			return nil, ctx.Err()
+		}
+		v.mu.Lock()
+	}
+}
+
+func (v *Volume) put(s *session) {
+	v.mu.Lock()
+	s.inflight--
+	if s.inflight == 0 && s.draining {
+		v.cond.Broadcast()
+	}
+	v.mu.Unlock()
+}

@@ -1,0 +1,184 @@
+package initiator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/protocol/link"
+	"github.com/rblk/rblk/transport"
+)
+
+// session is one connection to the target with the volume open on it.
+// Grants belong to a session: a new session starts with none.
+type session struct {
+	v      *Volume
+	link   *link.Link
+	region transport.Region // the IO buffers, registered on this connection
+	info   protocol.VolumeInfo
+	grants grantTable     // guarded by v.mu
+	wg     sync.WaitGroup // revoke and drain goroutines
+
+	inflight int  // operations using the session (v.mu)
+	draining bool // the target is shutting down: no new operations (v.mu)
+}
+
+// connect dials the target, opens the volume and registers the IO buffers.
+func (v *Volume) connect(ctx context.Context) (*session, error) {
+	s := &session{v: v}
+	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
+		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
+	if err != nil {
+		return nil, err
+	}
+	s.link = l
+	mode := protocol.ModeReadWrite
+	if v.opts.ReadOnly {
+		mode = protocol.ModeReadOnly
+	}
+	err = l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
+	if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
+		// A read-only export: attach it read-only, as a disk with its
+		// write-protect switch on.
+		v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
+		err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
+	}
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+	}
+	if s.info.ChunkSize == 0 || s.info.VolumeSize == 0 {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q: target reports size %d, chunk size %d: %w", v.opts.Export, s.info.VolumeSize, s.info.ChunkSize, protocol.ErrProtocol)
+	}
+	if v.info.ChunkSize != 0 && (s.info.VolumeSize != v.info.VolumeSize || s.info.ChunkSize != v.info.ChunkSize) {
+		l.Close()
+		return nil, fmt.Errorf("volume %q changed on %s: size %d, chunk size %d, was %d and %d", v.opts.Export, v.opts.Target,
+			s.info.VolumeSize, s.info.ChunkSize, v.info.VolumeSize, v.info.ChunkSize)
+	}
+	s.grants = newGrantTable(s.info.ChunkSize)
+	s.region, err = l.Conn().Register(v.mem.Bytes(), transport.AccessLocalWrite)
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q: register IO buffers: %w", v.opts.Export, err)
+	}
+	return s, nil
+}
+
+// teardown closes the session's connection and waits for its goroutines.
+func (s *session) teardown() {
+	s.link.Close()
+	s.wg.Wait()
+	s.region.Deregister()
+	s.v.mu.Lock()
+	s.v.m.grantsHeld.Sub(float64(s.grants.teardown()))
+	s.v.mu.Unlock()
+}
+
+// handle runs on the link's completion goroutine.
+func (s *session) handle(h protocol.Header, payload []byte) {
+	switch h.Type {
+	case protocol.TypeRevoke:
+		var r protocol.Revoke
+		if err := r.Unmarshal(payload); err != nil {
+			s.protocolError(fmt.Errorf("decode Revoke: %w", err))
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.revoke(h.Tag, &r)
+		}()
+	case protocol.TypeError:
+		var em protocol.ErrorMsg
+		if err := em.Unmarshal(payload); err != nil {
+			s.protocolError(fmt.Errorf("decode Error: %w", err))
+			return
+		}
+		if em.Code == protocol.CodeStale {
+			// Fenced: this host opened the export again on another
+			// session (another attach, or this one after the target saw
+			// it reconnect). Reconnecting would fence that one in turn.
+			v := s.v
+			v.fail(fmt.Errorf("%w: %s", ErrFenced, em.Text))
+			go s.link.Close()
+			return
+		}
+		if em.Code != protocol.CodeShutdown {
+			s.protocolError(fmt.Errorf("error notice from target: %w", em.Err()))
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.drain()
+		}()
+	default:
+		s.protocolError(fmt.Errorf("unexpected %v from target: %w", h.Type, protocol.ErrProtocol))
+	}
+}
+
+// drain answers the target's shutdown notice: no new IO starts on the
+// session, IO in flight finishes (and sends its Done), then a flush makes
+// every acknowledged write durable and the connection is closed. IO waits
+// for the reconnection meanwhile, and nothing is reported lost.
+func (s *session) drain() {
+	v := s.v
+	v.log.Info("target is shutting down: finishing IO in flight and flushing", zap.String("target", v.opts.Target))
+	v.mu.Lock()
+	s.draining = true
+	for s.inflight > 0 && s.link.Err() == nil {
+		v.cond.Wait()
+	}
+	v.mu.Unlock()
+	writes := v.writes.Load()
+	if err := s.link.RequestWithin(context.Background(), v.opts.FlushTimeout, s.flushMsg(), &protocol.OK{}); err == nil {
+		v.mu.Lock()
+		v.flushedAt = max(v.flushedAt, writes)
+		v.mu.Unlock()
+	} else {
+		v.log.Warn("flush before the target's shutdown failed", zap.Error(err))
+	}
+	s.link.Close()
+}
+
+func (s *session) protocolError(err error) {
+	s.v.m.errors.WithLabelValues("protocol").Inc()
+	s.v.log.Error("protocol error, closing the connection", zap.Error(err))
+	go s.link.Close()
+}
+
+// revoke stops new IO on the grant, waits for IO in flight on it (whose
+// Done messages are sent before they release it), then acknowledges.
+func (s *session) revoke(tag uint64, r *protocol.Revoke) {
+	v := s.v
+	v.m.revokes.Inc()
+	v.mu.Lock()
+	// The Revoke may overtake the reply of a grant being fetched: wait for
+	// the fetch to finish before deciding whether this generation is held.
+	st := s.grants.revoke(r.Offset, r.Generation, false)
+	for st.wait != nil {
+		v.mu.Unlock()
+		select {
+		case <-st.wait:
+		case <-s.link.Done():
+		}
+		v.mu.Lock()
+		st = s.grants.revoke(r.Offset, r.Generation, s.link.Err() != nil)
+	}
+	if st.drain != nil {
+		v.m.grantsHeld.Dec()
+		for !s.grants.drained(st.drain) {
+			v.cond.Wait()
+		}
+	}
+	v.mu.Unlock()
+	ack := protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}
+	if err := s.link.Send(context.Background(), tag, &ack); err != nil && s.link.Err() == nil {
+		v.log.Warn("revoke ack", zap.Error(err))
+	}
+}
