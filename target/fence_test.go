@@ -14,7 +14,6 @@ import (
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
-	"github.com/rblk/rblk/transport/tcp"
 )
 
 // dialAs opens the export as host with a raw client whose handler answers
@@ -151,38 +150,6 @@ func TestReinstatementFencesEarlierSession(t *testing.T) {
 	}
 }
 
-// startWith starts a target with opts (Exports and a registry filled in).
-func startWith(t *testing.T, size int, opts target.Options) (*env, *prometheus.Registry) {
-	t.Helper()
-	path := t.TempDir() + "/vol.img"
-	if err := os.WriteFile(path, make([]byte, size), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	reg := prometheus.NewRegistry()
-	opts.Exports = []target.ExportConfig{{Name: "vol", Path: path}}
-	opts.Registerer = reg
-	tg, err := target.New(opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := tcp.New("tcp")
-	ctx, cancel := context.WithCancel(context.Background())
-	l, err := p.Listen(ctx, "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() { tg.Serve(ctx, l); close(done) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-		if err := tg.Close(); err != nil {
-			t.Error(err)
-		}
-	})
-	return &env{t: t, tg: tg, p: p, addr: l.Addr(), path: path}, reg
-}
-
 func counter(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
 	mfs, err := reg.Gather()
@@ -218,7 +185,7 @@ func (c *client) grantTime(t *testing.T, off uint64) (time.Duration, error) {
 // comes back at once it cannot take the cache again.
 func TestGrantHogDoesNotStallOthers(t *testing.T) {
 	const revokeTTL = 10 * time.Second
-	e, reg := startWith(t, 4<<20, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL})
+	e, reg := startWith(t, make([]byte, 4<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL}, target.ExportConfig{})
 	hog, err := e.dialAs("hog", true, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -289,7 +256,7 @@ func TestGrantHogDoesNotStallOthers(t *testing.T) {
 // holder is not closed (before, the revoke ran under the requester's
 // context and the holder was dropped as if it had not answered).
 func TestEvictionOutlivesRequester(t *testing.T) {
-	e, reg := startWith(t, 2<<20, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: 10 * time.Second})
+	e, reg := startWith(t, make([]byte, 2<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: 10 * time.Second}, target.ExportConfig{})
 	holder, err := e.dialAs("holder", false, 400*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)

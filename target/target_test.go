@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -92,13 +94,25 @@ type env struct {
 
 func start(t *testing.T, ro bool, content []byte) *env {
 	t.Helper()
+	e, _ := startWith(t, content, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, DrainTimeout: time.Second},
+		target.ExportConfig{ReadOnly: ro})
+	return e
+}
+
+// startWith serves content as the export "vol" (export's other fields as
+// given) with opts, whose metrics go to the returned registry.
+func startWith(t *testing.T, content []byte, opts target.Options, export target.ExportConfig) (*env, *prometheus.Registry) {
+	t.Helper()
 	transporttest.CheckGoroutines(t)
 	path := filepath.Join(t.TempDir(), "vol.img")
 	if err := os.WriteFile(path, content, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, ReadOnly: ro}},
-		CacheSize: 1 << 20, ChunkSize: 64 << 10, DrainTimeout: time.Second})
+	reg := prometheus.NewRegistry()
+	export.Name, export.Path = "vol", path
+	opts.Exports = []target.ExportConfig{export}
+	opts.Registerer = reg
+	tg, err := target.New(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +131,7 @@ func start(t *testing.T, ro bool, content []byte) *env {
 			t.Error(err)
 		}
 	})
-	return &env{t: t, tg: tg, p: p, addr: l.Addr(), path: path}
+	return &env{t: t, tg: tg, p: p, addr: l.Addr(), path: path}, reg
 }
 
 // client is a raw protocol client: it speaks messages and RDMA itself.
