@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/rblk/rblk/transport"
 )
 
@@ -32,6 +34,9 @@ type Options struct {
 	// HandshakeTimeout bounds how long the listener waits for the connect
 	// request of a new stream (default 10s).
 	HandshakeTimeout time.Duration
+	// Logger gets the temporary accept errors the listener retries (warn).
+	// Default: no logging.
+	Logger *zap.Logger
 }
 
 func (o Options) withDefaults() Options {
@@ -49,6 +54,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.HandshakeTimeout <= 0 {
 		o.HandshakeTimeout = 10 * time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
 	}
 	return o
 }
@@ -228,18 +236,24 @@ func (p *Provider) listen(ctx context.Context, addr string) (*listener, error) {
 	if err != nil {
 		return nil, err
 	}
+	return p.newListener(nl), nil
+}
+
+// newListener starts accepting on nl.
+func (p *Provider) newListener(nl net.Listener) *listener {
 	l := &listener{
 		p:       p,
 		nl:      nl,
 		addr:    nl.Addr().String(),
 		reqs:    make(chan *connRequest),
 		closing: make(chan struct{}),
+		failed:  make(chan struct{}),
 		shaking: make(map[net.Conn]struct{}),
 		pending: make(map[*connRequest]struct{}),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
-	return l, nil
+	return l
 }
 
 // removeStaleSocket removes the unix socket file at path if nothing listens
@@ -276,6 +290,11 @@ type listener struct {
 	closing   chan struct{}
 	wg        sync.WaitGroup
 
+	// failed is closed when the accept loop stopped on a permanent error,
+	// acceptErr; Accept returns it from then on (until Close).
+	failed    chan struct{}
+	acceptErr error
+
 	mu      sync.Mutex
 	shaking map[net.Conn]struct{}     // streams whose connect request is awaited
 	pending map[*connRequest]struct{} // requests returned by Accept, not yet answered
@@ -297,6 +316,22 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		return r, nil
 	case <-l.closing:
 		return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+	case <-l.failed:
+		select {
+		case <-l.closing:
+			return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+		default:
+		}
+		// Requests whose handshake finished before the failure still go out.
+		select {
+		case r := <-l.reqs:
+			l.mu.Lock()
+			l.pending[r] = struct{}{}
+			l.mu.Unlock()
+			return r, nil
+		default:
+		}
+		return nil, fmt.Errorf("accept %s: %w", l.addr, l.acceptErr)
 	case <-ctx.Done():
 		return nil, fmt.Errorf("accept %s: %w", l.addr, ctx.Err())
 	}
@@ -331,6 +366,26 @@ func (l *listener) Close() error {
 	return err
 }
 
+// temporaryAcceptError reports whether an accept(2) error leaves the
+// listening socket usable: out of descriptors or memory, or a connection
+// that was reset before it was taken.
+func temporaryAcceptError(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ECONNABORTED, syscall.ENOBUFS,
+		syscall.ENOMEM, syscall.EPROTO, syscall.EPERM, syscall.EINTR, syscall.EAGAIN} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// acceptLoop accepts streams and starts their handshakes. It retries
+// temporary errors with a backoff of up to a second, logging each; any other
+// error ends it, and Accept returns that error from then on.
 func (l *listener) acceptLoop() {
 	defer l.wg.Done()
 	backoff := time.Duration(0)
@@ -342,10 +397,10 @@ func (l *listener) acceptLoop() {
 				return
 			default:
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-				errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) {
+			if temporaryAcceptError(err) {
 				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				l.p.opts.Logger.Warn("tcp listener: temporary accept error; retrying",
+					zap.String("addr", l.addr), zap.Duration("backoff", backoff), zap.Error(err))
 				select {
 				case <-time.After(backoff):
 				case <-l.closing:
@@ -353,7 +408,11 @@ func (l *listener) acceptLoop() {
 				}
 				continue
 			}
-			return // the listener is gone: Accept will block until Close
+			// The listening socket is unusable: tell Accept, which must not
+			// block forever nor pass this for an orderly close.
+			l.acceptErr = fmt.Errorf("accept loop stopped: %w", err)
+			close(l.failed)
+			return
 		}
 		backoff = 0
 		l.mu.Lock()
