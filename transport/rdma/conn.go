@@ -405,7 +405,9 @@ var wrOpcodes = [...]uint32{
 // per ibv_post_send. A request that fails the local checks (its SGE, its
 // access rights) is not posted: it completes with
 // StatusLocalProtectionError after those before it, and those after it are
-// flushed, as the device would do.
+// flushed, as the device would do. If ibv_post_send refuses a request after
+// some of the call went to the QP, nothing after it is posted: it completes
+// with StatusTransportError and every later one of the call is flushed.
 func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	for i := range wrs {
 		switch wrs[i].Op {
@@ -454,19 +456,24 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		}
 		staged++
 		if staged == len(buf) {
-			if err := c.postStaged(r, staged, start, &posted); err != nil {
+			stopped, err := c.postStaged(r, staged, start, &posted)
+			if err != nil {
 				return err
 			}
 			staged = 0
+			if stopped {
+				// The rest of the call is flushed, never posted.
+				bad = true
+			}
 		}
 	}
 	if staged > 0 {
-		if err := c.postStaged(r, staged, start, &posted); err != nil {
+		if _, err := c.postStaged(r, staged, start, &posted); err != nil {
 			return err
 		}
 	}
 	r.mu.Unlock()
-	if bad {
+	if bad && fail != nil {
 		// The connection breaks when the refused request completes: those
 		// before it may still complete normally.
 		c.markBroken(fail)
@@ -477,21 +484,22 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 // postStaged posts the n staged requests of the send queue r (r.mu held).
 // If nothing of this PostSend got to the QP, a refusal undoes the whole
 // call (r.mu released) and returns the error; otherwise the requests not
-// posted fail in their turn and break the connection.
-func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) error {
+// posted fail in their turn and break the connection, and postStaged
+// reports stopped: the caller must post nothing more.
+func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) (stopped bool, err error) {
 	k, err := c.qp.PostSend(n)
 	r.hwOut += k
 	if err == nil {
 		*posted += n
-		return nil
+		return false, nil
 	}
 	if *posted == 0 && k == 0 {
 		r.tail = start
 		r.mu.Unlock()
 		if errors.Is(err, syscall.ENOMEM) {
-			return fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
+			return false, fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
 		}
-		return fmt.Errorf("post send: %w", err)
+		return false, fmt.Errorf("post send: %w", err)
 	}
 	// Requests from index posted+k of this call on did not reach the QP.
 	*posted += k
@@ -510,13 +518,15 @@ func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) error {
 	}
 	c.log.Warn("rdma: ibv_post_send refused a request; breaking the connection", zap.String("remote", c.remote), zap.Error(err))
 	c.markBroken(fmt.Errorf("post send: %w", err))
-	return nil
+	return true, nil
 }
 
 // PostRecv posts receives in chains of up to postChunk per ibv_post_recv. A
 // receive whose buffer fails the local checks breaks the connection: it
 // completes with StatusLocalProtectionError after the receives before it
-// are flushed.
+// are flushed. If ibv_post_recv refuses a receive after some of the call
+// went to the QP, nothing after it is posted: it and every later receive of
+// the call complete flushed, and the connection breaks.
 func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	r := &c.rq
 	r.mu.Lock()
@@ -532,6 +542,7 @@ func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	start := r.tail
 	staged, posted := 0, 0
 	var fail error
+	stopped := false // a post was refused: post nothing more
 	post := func() error {
 		k, err := c.qp.PostRecv(staged)
 		r.hwOut += k
@@ -557,10 +568,15 @@ func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 		if fail == nil {
 			fail = fmt.Errorf("post recv: %w", err)
 		}
+		stopped = true
 		return nil
 	}
 	for i := range rrs {
 		rr := &rrs[i]
+		if stopped {
+			r.pushDone(rr.ID, transport.OpRecv, transport.StatusFlushed)
+			continue
+		}
 		w := &buf[staged]
 		if st := c.checkLocal(rr.Local, true, w); st != transport.StatusSuccess {
 			r.pushDone(rr.ID, transport.OpRecv, st)

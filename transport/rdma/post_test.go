@@ -1,0 +1,164 @@
+//go:build linux && cgo && rdma
+
+package rdma
+
+import (
+	"errors"
+	"syscall"
+	"testing"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/rdma/internal/verbs"
+)
+
+// fakeConn is a conn over a fake QP (no device): enough for the posting
+// and completion bookkeeping, which is what these tests look at. It is
+// never started; breaking it does not call rdma_disconnect.
+func fakeConn(t *testing.T, cfg verbs.FakeQPConfig, sq, rq int) *conn {
+	t.Helper()
+	qp, err := verbs.NewFakeQP(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(qp.Destroy)
+	efd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
+	w, err := newWaiter(efd, "test-cq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.close)
+	c := &conn{
+		p:            &provider{log: zap.NewNop()},
+		log:          zap.NewNop(),
+		qp:           qp,
+		cqw:          w,
+		pollSem:      make(chan struct{}, 1),
+		closed:       make(chan struct{}),
+		regions:      make(map[*region]struct{}),
+		disconnected: true,
+	}
+	c.sq.ents = make([]entry, sq)
+	c.rq.ents = make([]entry, rq)
+	return c
+}
+
+// takeDone marks the entries the QP took as completed successfully, as the
+// device would, so that emit gets past them.
+func takeDone(r *ring, n int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for seq := r.head; seq < r.head+uint64(n); seq++ {
+		e := &r.ents[seq%uint64(len(r.ents))]
+		e.hw, e.done = false, true
+		e.comp = transport.Completion{ID: e.id, Op: e.op}
+		r.hwOut--
+	}
+}
+
+// TestPostSendPartialFailure: ibv_post_send refuses a request in the second
+// chain of a call. Nothing after it may reach the QP (not the rest of that
+// chain, not the chains after), and every request not posted must complete:
+// the refused one with an error, the later ones flushed.
+func TestPostSendPartialFailure(t *testing.T) {
+	const chunk, n, failAt = 4, 11, 5
+	c := fakeConn(t, verbs.FakeQPConfig{Chunk: chunk, FailSendAt: failAt, FailRecvAt: -1, Record: 64}, 64, 64)
+	wrs := make([]transport.WorkRequest, n)
+	for i := range wrs {
+		wrs[i] = transport.WorkRequest{ID: uint64(100 + i), Op: transport.OpSend}
+	}
+	if err := c.PostSend(wrs...); err != nil {
+		t.Fatalf("post send: %v, want the failure reported in the completions", err)
+	}
+	sends, _, _ := c.qp.FakePosted()
+	if len(sends) != failAt {
+		t.Fatalf("the QP took work requests %v, want only the %d before the refused one", sends, failAt)
+	}
+	for i, id := range sends {
+		if id != uint64(i) {
+			t.Errorf("QP took wr_id %d at %d, want %d", id, i, i)
+		}
+	}
+	if err := c.PostSend(transport.WorkRequest{ID: 999, Op: transport.OpSend}); !errors.Is(err, transport.ErrClosed) {
+		t.Errorf("post send after the refusal: %v, want ErrClosed", err)
+	}
+	if sends2, _, _ := c.qp.FakePosted(); len(sends2) != failAt {
+		t.Errorf("the QP took %v after the refusal", sends2[failAt:])
+	}
+	takeDone(&c.sq, failAt)
+	out := make([]transport.Completion, 2*n)
+	k := c.emit(out)
+	if k != n {
+		t.Fatalf("%d completions %+v, want %d", k, out[:k], n)
+	}
+	for i, comp := range out[:k] {
+		want := transport.StatusSuccess
+		switch {
+		case i == failAt:
+			want = transport.StatusTransportError
+		case i > failAt:
+			want = transport.StatusFlushed
+		}
+		if comp.ID != uint64(100+i) || comp.Status != want {
+			t.Errorf("completion %d: %+v, want id %d %v", i, comp, 100+i, want)
+		}
+	}
+	if !c.broken.Load() {
+		t.Error("the connection is not broken")
+	}
+}
+
+// TestPostRecvPartialFailure is TestPostSendPartialFailure for receives.
+func TestPostRecvPartialFailure(t *testing.T) {
+	const chunk, n, failAt = 4, 11, 6
+	c := fakeConn(t, verbs.FakeQPConfig{Chunk: chunk, FailSendAt: -1, FailRecvAt: failAt, Record: 64}, 64, 64)
+	rrs := make([]transport.RecvRequest, n)
+	for i := range rrs {
+		rrs[i] = transport.RecvRequest{ID: uint64(100 + i)}
+	}
+	if err := c.PostRecv(rrs...); err != nil {
+		t.Fatalf("post recv: %v, want the failure reported in the completions", err)
+	}
+	_, recvs, _ := c.qp.FakePosted()
+	if len(recvs) != failAt {
+		t.Fatalf("the QP took receives %v, want only the %d before the refused one", recvs, failAt)
+	}
+	if !c.broken.Load() {
+		t.Error("the connection is not broken")
+	}
+	if err := c.PostRecv(transport.RecvRequest{ID: 999}); !errors.Is(err, transport.ErrClosed) {
+		t.Errorf("post recv after the refusal: %v, want ErrClosed", err)
+	}
+	// The QP flushes what it took (the connection broke); the rest complete
+	// flushed on their own.
+	takeDone(&c.rq, failAt)
+	out := make([]transport.Completion, 2*n)
+	k := c.emit(out)
+	if k != n {
+		t.Fatalf("%d completions %+v, want %d", k, out[:k], n)
+	}
+	for i, comp := range out[:k] {
+		if comp.ID != uint64(100+i) || comp.Op != transport.OpRecv || (i >= failAt && comp.Status != transport.StatusFlushed) {
+			t.Errorf("completion %d: %+v", i, comp)
+		}
+	}
+}
+
+// TestPostSendRefusedWhole: a refusal of the first chain with nothing
+// posted undoes the call and reports the queue full, as before.
+func TestPostSendRefusedWhole(t *testing.T) {
+	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 4, FailSendAt: 0, FailRecvAt: -1, Errno: syscall.ENOMEM}, 64, 64)
+	err := c.PostSend(transport.WorkRequest{ID: 1, Op: transport.OpSend}, transport.WorkRequest{ID: 2, Op: transport.OpSend})
+	if !errors.Is(err, transport.ErrQueueFull) {
+		t.Fatalf("post send: %v, want ErrQueueFull", err)
+	}
+	if c.sq.tail != c.sq.head || c.broken.Load() {
+		t.Errorf("the call was not undone: queue [%d, %d), broken %v", c.sq.head, c.sq.tail, c.broken.Load())
+	}
+}
