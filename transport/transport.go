@@ -62,6 +62,13 @@ type Region interface {
 	// connection, and its lkey may no longer be used in new work requests.
 	// The memory itself is not freed. Operations already posted that use the
 	// region must have completed first; Deregister is safe to call twice.
+	//
+	// If it fails, the error matches ErrDeregisterFailed and the region may
+	// still be registered: the peer may still reach the memory with the
+	// rkey. The caller must then not reuse the memory for other data, nor
+	// free it, until a later Deregister succeeds or the Conn is closed;
+	// the provider keeps the region and refuses to Register memory that
+	// overlaps it on the same Conn.
 	Deregister() error
 }
 
@@ -330,4 +337,8 @@ var (
 	ErrNoDevice = errors.New("transport: no RDMA device")
 	// ErrUnsupported is returned by a provider built without its dependencies.
 	ErrUnsupported = errors.New("transport: provider not supported in this build")
+	// ErrDeregisterFailed matches the error of a Region's Deregister that
+	// failed, leaving the memory registered (quarantined): see
+	// Region.Deregister.
+	ErrDeregisterFailed = errors.New("transport: deregistration failed; memory quarantined")
 )

@@ -313,6 +313,10 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	if c.regClosed {
 		return nil, fmt.Errorf("register: %w", transport.ErrClosed)
 	}
+	if q := c.quarantinedOverlap(buf); q != nil {
+		return nil, fmt.Errorf("register %d bytes: the memory overlaps a region whose deregistration failed (%d bytes at %#x): %w",
+			len(buf), len(q.buf), q.addr, transport.ErrDeregisterFailed)
+	}
 	mr, err := c.pd.RegMR(unsafe.Pointer(&buf[0]), len(buf), flags)
 	if err != nil {
 		return nil, fmt.Errorf("register %d bytes: %w", len(buf), memlockHint(err))
@@ -340,6 +344,9 @@ type region struct {
 	rkey   uint32
 	access transport.Access
 	dead   atomic.Bool
+	// quarantined: a Deregister failed and the MR is still registered
+	// (c.regMu).
+	quarantined bool
 }
 
 func (r *region) Bytes() []byte            { return r.buf }
@@ -348,6 +355,14 @@ func (r *region) LKey() uint32             { return r.lkey }
 func (r *region) RKey() uint32             { return r.rkey }
 func (r *region) Access() transport.Access { return r.access }
 
+// deregMR is ibv_dereg_mr; tests make it fail.
+var deregMR = (*verbs.MR).Dereg
+
+// Deregister deregisters the MR. If ibv_dereg_mr fails, the MR stays
+// registered, so the peer may still reach the memory with its rkey: the
+// region is quarantined (kept, its memory refused to Register on this conn)
+// and the error, which matches transport.ErrDeregisterFailed, says so. A
+// later Deregister tries again; Close tries once more.
 func (r *region) Deregister() error {
 	r.dead.Store(true)
 	c := r.c
@@ -356,11 +371,33 @@ func (r *region) Deregister() error {
 	if r.mr == nil {
 		return nil
 	}
-	err := r.mr.Dereg()
+	if err := deregMR(r.mr); err != nil {
+		if !r.quarantined {
+			c.log.Warn("rdma: deregistering a region failed; its memory is quarantined",
+				zap.String("remote", c.remote), zap.Uint64("addr", r.addr), zap.Int("len", len(r.buf)), zap.Error(err))
+		}
+		r.quarantined = true
+		return fmt.Errorf("deregister %d bytes at %#x: %w: %w", len(r.buf), r.addr, transport.ErrDeregisterFailed, err)
+	}
 	r.mr = nil
+	r.quarantined = false
 	delete(c.regions, r)
-	if err != nil {
-		return fmt.Errorf("deregister: %w", err)
+	return nil
+}
+
+// quarantinedOverlap reports whether buf overlaps a region whose
+// deregistration failed (c.regMu held).
+func (c *conn) quarantinedOverlap(buf []byte) *region {
+	lo := uintptr(unsafe.Pointer(&buf[0]))
+	hi := lo + uintptr(len(buf))
+	for r := range c.regions {
+		if !r.quarantined {
+			continue
+		}
+		rlo := uintptr(r.addr)
+		if lo < rlo+uintptr(len(r.buf)) && rlo < hi {
+			return r
+		}
 	}
 	return nil
 }
@@ -1019,8 +1056,8 @@ func (c *conn) destroyVerbs() {
 	c.regMu.Lock()
 	c.regClosed = true
 	for r := range c.regions {
-		if err := r.mr.Dereg(); err != nil {
-			c.log.Warn("rdma close", zap.Error(err))
+		if err := deregMR(r.mr); err != nil {
+			c.log.Warn("rdma close: deregistering a region failed", zap.Bool("quarantined_before", r.quarantined), zap.Error(err))
 		}
 		r.mr = nil
 		r.dead.Store(true)

@@ -4,8 +4,10 @@ package rdma
 
 import (
 	"errors"
+	"fmt"
 	"syscall"
 	"testing"
+	"unsafe"
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
@@ -160,5 +162,63 @@ func TestPostSendRefusedWhole(t *testing.T) {
 	}
 	if c.sq.tail != c.sq.head || c.broken.Load() {
 		t.Errorf("the call was not undone: queue [%d, %d), broken %v", c.sq.head, c.sq.tail, c.broken.Load())
+	}
+}
+
+// TestDeregisterFailureQuarantines: when ibv_dereg_mr fails, the memory is
+// still registered. Deregister must say so (every time, not only the first),
+// the region must stay known to the conn, and its memory must not be
+// registered again on that conn until a Deregister succeeds.
+func TestDeregisterFailureQuarantines(t *testing.T) {
+	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 4, FailSendAt: -1, FailRecvAt: -1}, 8, 8)
+	mem, err := transport.AllocMemory(8192, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Free()
+	buf := mem.Bytes()[:4096]
+	r := &region{c: c, buf: buf, addr: uint64(uintptr(unsafe.Pointer(&buf[0]))), mr: &verbs.MR{}, access: transport.AccessLocalWrite}
+	c.regions[r] = struct{}{}
+
+	fail := true
+	deregMR = func(mr *verbs.MR) error {
+		if fail {
+			return fmt.Errorf("ibv_dereg_mr: %w", syscall.EBUSY)
+		}
+		return mr.Dereg()
+	}
+	t.Cleanup(func() { deregMR = (*verbs.MR).Dereg })
+
+	for i := range 2 {
+		err := r.Deregister()
+		if !errors.Is(err, transport.ErrDeregisterFailed) || !errors.Is(err, syscall.EBUSY) {
+			t.Fatalf("deregister #%d while ibv_dereg_mr fails: %v, want ErrDeregisterFailed wrapping EBUSY", i+1, err)
+		}
+	}
+	if _, ok := c.regions[r]; !ok {
+		t.Fatal("the region whose deregistration failed was forgotten")
+	}
+	// Its memory, or part of it, may not be registered again.
+	if _, err := c.Register(mem.Bytes()[2048:6144], transport.AccessLocalWrite); !errors.Is(err, transport.ErrDeregisterFailed) {
+		t.Fatalf("register over quarantined memory: %v, want ErrDeregisterFailed", err)
+	}
+	// Nor used in new work requests.
+	if err := c.PostSend(transport.WorkRequest{ID: 1, Op: transport.OpSend, Local: transport.SGE{Region: r, Length: 16}}); err != nil {
+		t.Fatal(err)
+	}
+	out := make([]transport.Completion, 1)
+	if k := c.emit(out); k != 1 || out[0].Status != transport.StatusLocalProtectionError {
+		t.Errorf("send from a quarantined region: %+v, want a local protection error", out[:k])
+	}
+
+	fail = false
+	if err := r.Deregister(); err != nil {
+		t.Fatalf("deregister once ibv_dereg_mr works: %v", err)
+	}
+	if _, ok := c.regions[r]; ok {
+		t.Error("the region is still kept after it was deregistered")
+	}
+	if r := c.quarantinedOverlap(buf); r != nil {
+		t.Error("the memory is still quarantined")
 	}
 }
