@@ -125,6 +125,11 @@ type conn struct {
 	disconnected bool
 	destroyed    atomic.Bool // the verbs resources are gone (set under stateMu)
 
+	// started: the connection is established and its CM goroutine runs.
+	// A conn of Prepare takes registrations and receives before, but no
+	// sends.
+	started atomic.Bool
+
 	closeOnce sync.Once
 	closing   atomic.Bool   // Close began: Poll leaves the CQ to it
 	closed    chan struct{} // closed when Close is done
@@ -210,6 +215,7 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 // start runs the goroutine that watches the RDMA CM events of an
 // established conn.
 func (c *conn) start() {
+	c.started.Store(true)
 	c.local = c.id.LocalAddr().String()
 	c.remote = c.id.PeerAddr().String()
 	c.info = idInfo(c.id)
@@ -459,6 +465,10 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		r.mu.Unlock()
 		return transport.ErrClosed
 	}
+	if !c.started.Load() {
+		r.mu.Unlock()
+		return fmt.Errorf("post send: %w", transport.ErrNotAccepted)
+	}
 	if int(r.tail-r.head)+len(wrs) > len(r.ents) {
 		r.mu.Unlock()
 		return transport.ErrQueueFull
@@ -672,8 +682,14 @@ func (c *conn) breakConn(cause error) {
 	c.broken.Store(true)
 	if !c.disconnected && !c.destroyed.Load() {
 		c.disconnected = true
-		if err := c.id.Disconnect(); err != nil {
-			c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
+		if c.started.Load() {
+			if err := c.id.Disconnect(); err != nil {
+				c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
+			}
+		} else if err := c.qp.ToError(); err != nil {
+			// Not connected (a conn of Prepare, or one whose accept
+			// failed): rdma_disconnect would not flush the receives.
+			c.log.Debug("rdma: moving the QP to the error state", zap.String("remote", c.remote), zap.Error(err))
 		}
 	}
 	c.stateMu.Unlock()

@@ -310,8 +310,9 @@ type connReq struct {
 	param  verbs.ConnParam
 	remote string
 
-	mu    sync.Mutex
-	state string // "" while pending, then what became of it
+	mu       sync.Mutex
+	state    string // "" while pending, then what became of it
+	prepared *conn  // of Prepare: owns id, ch and w from then on
 }
 
 var _ transport.ConnRequest = (*connReq)(nil)
@@ -326,6 +327,42 @@ func (r *connReq) release() {
 	r.ch.Destroy()
 }
 
+// Prepare creates the QP of the request on its cm_id (rdma_create_qp puts
+// it in the INIT state, where receives may be posted) without accepting:
+// the standard way to have receives posted before rdma_accept.
+func (r *connReq) Prepare() (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.prepared != nil {
+		return r.prepared, nil
+	}
+	if r.state != "" {
+		return nil, fmt.Errorf("prepare %s: request already %s", r.remote, r.state)
+	}
+	c, err := newConn(r.p, r.id, r.ch, r.w)
+	if err != nil {
+		r.state = "failed"
+		r.id.Reject(nil)
+		r.release()
+		return nil, fmt.Errorf("prepare %s: %w", r.remote, err)
+	}
+	c.peerPD = r.pd
+	c.remote = r.remote
+	r.prepared = c
+	return c, nil
+}
+
+// closeRequest ends a request that was not accepted: the prepared conn,
+// which owns the id, is closed (its receives flush), or what the request
+// owns is released.
+func (r *connReq) closeRequest() {
+	if r.prepared != nil {
+		r.prepared.Close()
+		return
+	}
+	r.release()
+}
+
 func (r *connReq) Reject(privateData []byte) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -336,9 +373,14 @@ func (r *connReq) Reject(privateData []byte) error {
 		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
 	}
 	r.state = "rejected"
+	if r.prepared != nil && r.prepared.closing.Load() {
+		// Its owner closed the prepared conn, which destroyed the id (and
+		// so refused the peer).
+		return nil
+	}
 	enc, _ := encodePrivateData(privateData, MaxRejectPrivateData+1)
 	err := r.id.Reject(enc)
-	r.release()
+	r.closeRequest()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
 	}
@@ -370,11 +412,16 @@ func (r *connReq) Accept(ctx context.Context, privateData []byte) (transport.Con
 }
 
 func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error) {
-	c, err := newConn(r.p, r.id, r.ch, r.w)
-	if err != nil {
-		r.id.Reject(nil)
-		r.release()
-		return nil, err
+	c := r.prepared
+	if c == nil {
+		var err error
+		if c, err = newConn(r.p, r.id, r.ch, r.w); err != nil {
+			r.id.Reject(nil)
+			r.release()
+			return nil, err
+		}
+	} else if c.closing.Load() {
+		return nil, fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
 	}
 	// What the peer's request says it issues and serves, seen from here.
 	resp := min(c.respRes, max(r.param.ResponderResources, 1))
@@ -382,7 +429,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	c.limits.MaxReadsInFlight = int(init)
 	c.peerPD = r.pd
 	enc, flow := encodePrivateData(privateData, MaxAcceptPrivateData)
-	err = r.id.Accept(verbs.ConnParam{
+	err := r.id.Accept(verbs.ConnParam{
 		PrivateData:        enc,
 		ResponderResources: resp,
 		InitiatorDepth:     init,
@@ -391,7 +438,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 		RNRRetryCount:      rnrRetryInfinite,
 	})
 	if err != nil {
-		c.teardown()
+		c.Close()
 		return nil, err
 	}
 	// The QP is ready to receive: ask the peer to retry a SEND that comes
@@ -402,7 +449,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	for {
 		ev, err := waitEvent(ctx, r.ch, r.w)
 		if err != nil {
-			c.teardown()
+			c.Close()
 			return nil, err
 		}
 		switch ev.Type {
@@ -410,8 +457,12 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 			c.start()
 			return c, nil
 		case verbs.EventRejected, verbs.EventConnectError, verbs.EventUnreachable, verbs.EventDisconnected, verbs.EventDeviceRemoval:
-			c.teardown()
-			return nil, fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
+			c.Close()
+			err := fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
+			if ev.Type == verbs.EventDeviceRemoval {
+				err = fmt.Errorf("%w: %w", err, transport.ErrDeviceRemoved)
+			}
+			return nil, err
 		}
 	}
 }

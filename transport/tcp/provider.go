@@ -357,6 +357,7 @@ func (l *listener) Close() error {
 		for _, r := range unanswered {
 			if r.take() {
 				r.nc.Close()
+				r.closePrepared()
 			}
 		}
 		if err != nil {
@@ -477,11 +478,39 @@ type connRequest struct {
 	peerReads int
 	remote    string
 
-	mu   sync.Mutex
-	done bool
+	mu       sync.Mutex
+	done     bool
+	prepared *conn // of Prepare, not started until accepted
 }
 
 func (r *connRequest) PrivateData() []byte { return r.pd }
+
+// Prepare makes the connection of the request without starting it: it
+// takes registrations and receives, which the reader finds once Accept
+// starts it, before it reads anything the peer sent.
+func (r *connRequest) Prepare() (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.prepared != nil {
+		return r.prepared, nil
+	}
+	if r.done {
+		return nil, fmt.Errorf("prepare %s: connection request already answered", r.remote)
+	}
+	r.prepared = makeConn(r.l.p.opts, r.nc, r.br, r.pd, r.peerReads)
+	return r.prepared, nil
+}
+
+// closePrepared closes the conn of Prepare, if any, after the request
+// failed or was rejected.
+func (r *connRequest) closePrepared() {
+	r.mu.Lock()
+	c := r.prepared
+	r.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
 func (r *connRequest) RemoteAddr() string  { return r.remote }
 
 // take claims the request for an answer; only the first caller gets it.
@@ -513,21 +542,44 @@ func (r *connRequest) accept(ctx context.Context, privateData []byte) (*conn, er
 	if !r.take() {
 		return nil, errors.New("connection request already answered")
 	}
+	r.mu.Lock()
+	c := r.prepared
+	r.mu.Unlock()
+	fail := func(err error) (*conn, error) {
+		r.nc.Close()
+		r.closePrepared()
+		return nil, err
+	}
+	if c != nil {
+		c.mu.Lock()
+		closed := c.state != stateOpen
+		c.mu.Unlock()
+		if closed {
+			// Its owner closed the prepared conn: that is a reject.
+			r.nc.SetWriteDeadline(time.Now().Add(r.l.p.opts.HandshakeTimeout))
+			writeControl(r.nc, frameReject, version, 0, nil)
+			return fail(fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed))
+		}
+	}
 	opts := r.l.p.opts
 	stop := watchContext(ctx, r.nc)
 	err := writeControl(r.nc, frameAccept, version, uint32(opts.MaxReadsInFlight), privateData)
 	if !stop() || ctx.Err() != nil {
-		r.nc.Close()
-		return nil, ctx.Err()
+		return fail(ctx.Err())
 	}
 	if err == nil {
 		err = r.nc.SetDeadline(time.Time{})
 	}
 	if err != nil {
-		r.nc.Close()
-		return nil, err
+		return fail(err)
 	}
-	return newConn(opts, r.nc, r.br, r.pd, r.peerReads), nil
+	if c == nil {
+		return newConn(opts, r.nc, r.br, r.pd, r.peerReads), nil
+	}
+	if !c.start() {
+		return fail(fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed))
+	}
+	return c, nil
 }
 
 func (r *connRequest) Reject(privateData []byte) error {
@@ -542,6 +594,7 @@ func (r *connRequest) Reject(privateData []byte) error {
 	r.nc.SetWriteDeadline(time.Now().Add(r.l.p.opts.HandshakeTimeout))
 	err := writeControl(r.nc, frameReject, version, 0, privateData)
 	r.nc.Close()
+	r.closePrepared()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
 	}
