@@ -511,7 +511,7 @@ func (r *connRequest) closePrepared() {
 		c.Close()
 	}
 }
-func (r *connRequest) RemoteAddr() string  { return r.remote }
+func (r *connRequest) RemoteAddr() string { return r.remote }
 
 // take claims the request for an answer; only the first caller gets it.
 func (r *connRequest) take() bool {
