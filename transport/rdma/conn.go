@@ -130,6 +130,9 @@ type conn struct {
 	// sends.
 	started atomic.Bool
 
+	// removed: the device is gone; nothing touches the CQ any more.
+	removed atomic.Bool
+
 	closeOnce sync.Once
 	closing   atomic.Bool   // Close began: Poll leaves the CQ to it
 	closed    chan struct{} // closed when Close is done
@@ -237,15 +240,62 @@ func (c *conn) cmLoop() {
 			}
 			return
 		}
-		switch ev.Type {
-		case verbs.EventDisconnected:
-			c.breakConn(errPeerClose)
-		case verbs.EventDeviceRemoval:
-			c.breakConn(errors.New("RDMA device removed"))
-		case verbs.EventTimewaitExit, verbs.EventAddrChange, verbs.EventEstablished:
-		default:
-			c.log.Debug("rdma connection event", zap.String("remote", c.remote), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+		if c.handleEvent(ev) {
+			return
 		}
+	}
+}
+
+// handleEvent acts on an RDMA CM event of an established conn and reports
+// whether the CM goroutine is to stop.
+func (c *conn) handleEvent(ev verbs.Event) (stop bool) {
+	switch ev.Type {
+	case verbs.EventDisconnected:
+		c.breakConn(errPeerClose)
+	case verbs.EventDeviceRemoval:
+		c.deviceRemoved()
+		return true
+	case verbs.EventTimewaitExit, verbs.EventAddrChange, verbs.EventEstablished:
+	default:
+		c.log.Debug("rdma connection event", zap.String("remote", c.remote), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+	}
+	return false
+}
+
+// deviceRemoved breaks the conn whose device is gone. The device will not
+// flush the work requests outstanding, so they complete flushed now, and
+// Poll, which no longer touches the CQ, returns them and then an error
+// matching transport.ErrDeviceRemoved (and ErrClosed). The verbs resources
+// are released at once in the background, as the kernel waits for them to
+// finish removing the device; the owner's Close waits for that.
+func (c *conn) deviceRemoved() {
+	c.log.Warn("rdma: the RDMA device of the connection was removed; breaking it",
+		zap.String("remote", c.remote), zap.String("device", c.info))
+	c.removed.Store(true)
+	c.flushOutstanding()
+	c.breakConn(fmt.Errorf("%w (%s)", transport.ErrDeviceRemoved, c.info))
+	go c.Close()
+}
+
+// flushOutstanding completes every work request posted to the QP whose
+// completion was not polled as flushed, for a QP that will report nothing
+// more.
+func (c *conn) flushOutstanding() {
+	for _, r := range [2]*ring{&c.sq, &c.rq} {
+		r.mu.Lock()
+		for seq := r.head; seq < r.tail; seq++ {
+			e := &r.ents[seq%uint64(len(r.ents))]
+			if e.hw {
+				e.hw, e.done = false, true
+				op := e.op
+				if r == &c.rq {
+					op = transport.OpRecv
+				}
+				e.comp = transport.Completion{ID: e.id, Op: op, Status: transport.StatusFlushed}
+			}
+		}
+		r.hwOut = 0
+		r.mu.Unlock()
 	}
 }
 
@@ -845,7 +895,7 @@ func (c *conn) closedErr() error {
 	if cause == nil || cause == errLocalClose {
 		return transport.ErrClosed
 	}
-	return fmt.Errorf("%w: %v", transport.ErrClosed, cause)
+	return fmt.Errorf("%w: %w", transport.ErrClosed, cause)
 }
 
 // tryCQEvent consumes a completion event if one is queued (pollSem held).
@@ -903,7 +953,7 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 		if n := c.emit(out); n > 0 {
 			return n, nil
 		}
-		alive := !c.destroyed.Load()
+		alive := !c.destroyed.Load() && !c.removed.Load()
 		// Without busy polling, an empty CQ is armed in the same call, and
 		// polled again after that.
 		arm := c.busy <= 0 || spun
@@ -989,7 +1039,7 @@ func (c *conn) Close() error {
 // or flushTimeout passed (pollSem held).
 func (c *conn) drainFlushes() {
 	deadline := time.Now().Add(flushTimeout)
-	for {
+	for !c.removed.Load() {
 		c.sq.mu.Lock()
 		c.rq.mu.Lock()
 		left := c.sq.hwOut + c.rq.hwOut
@@ -1029,20 +1079,9 @@ func (c *conn) teardown() {
 	for _, r := range [2]*ring{&c.sq, &c.rq} {
 		r.mu.Lock()
 		r.closed = true
-		for seq := r.head; seq < r.tail; seq++ {
-			e := &r.ents[seq%uint64(len(r.ents))]
-			if e.hw {
-				e.hw, e.done = false, true
-				op := e.op
-				if r == &c.rq {
-					op = transport.OpRecv
-				}
-				e.comp = transport.Completion{ID: e.id, Op: op, Status: transport.StatusFlushed}
-			}
-		}
-		r.hwOut = 0
 		r.mu.Unlock()
 	}
+	c.flushOutstanding()
 	if err := c.id.Destroy(); err != nil {
 		c.log.Warn("rdma close", zap.Error(err))
 	}

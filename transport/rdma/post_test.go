@@ -3,6 +3,7 @@
 package rdma
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"syscall"
@@ -18,7 +19,8 @@ import (
 
 // fakeConn is a conn over a fake QP (no device): enough for the posting
 // and completion bookkeeping, which is what these tests look at. It is
-// never started; breaking it does not call rdma_disconnect.
+// marked started (sends are taken) but has no CM goroutine; breaking it
+// does not call rdma_disconnect, and its teardown destroys only the QP.
 func fakeConn(t *testing.T, cfg verbs.FakeQPConfig, sq, rq int) *conn {
 	t.Helper()
 	qp, err := verbs.NewFakeQP(cfg)
@@ -36,9 +38,17 @@ func fakeConn(t *testing.T, cfg verbs.FakeQPConfig, sq, rq int) *conn {
 		t.Fatal(err)
 	}
 	t.Cleanup(w.close)
+	cmw, err := newWaiter(efd, "test-cm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cmw.close)
 	c := &conn{
 		p:            &provider{log: zap.NewNop()},
 		log:          zap.NewNop(),
+		id:           &verbs.CMID{},
+		ch:           &verbs.EventChannel{},
+		cmw:          cmw,
 		qp:           qp,
 		cqw:          w,
 		pollSem:      make(chan struct{}, 1),
@@ -48,6 +58,7 @@ func fakeConn(t *testing.T, cfg verbs.FakeQPConfig, sq, rq int) *conn {
 	}
 	c.sq.ents = make([]entry, sq)
 	c.rq.ents = make([]entry, rq)
+	c.started.Store(true)
 	return c
 }
 
@@ -220,5 +231,68 @@ func TestDeregisterFailureQuarantines(t *testing.T) {
 	}
 	if r := c.quarantinedOverlap(buf); r != nil {
 		t.Error("the memory is still quarantined")
+	}
+}
+
+// TestDeviceRemovalBreaksConn: RDMA_CM_EVENT_DEVICE_REMOVAL on an
+// established conn. The device will never complete what was posted, so the
+// conn must complete it (flushed) and report the end, instead of leaving
+// Poll waiting forever; its verbs resources are released without waiting
+// for its owner.
+func TestDeviceRemovalBreaksConn(t *testing.T) {
+	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 4, FailSendAt: -1, FailRecvAt: -1}, 8, 8)
+	if err := c.PostRecv(transport.RecvRequest{ID: 1}, transport.RecvRequest{ID: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.PostSend(transport.WorkRequest{ID: 3, Op: transport.OpSend}, transport.WorkRequest{ID: 4, Op: transport.OpSend}); err != nil {
+		t.Fatal(err)
+	}
+	if stop := c.handleEvent(verbs.Event{Type: verbs.EventDeviceRemoval}); !stop {
+		t.Error("the CM goroutine goes on after the device was removed")
+	}
+	out := make([]transport.Completion, 8)
+	k := c.emit(out)
+	if k != 4 {
+		t.Fatalf("completions after the removal: %+v, want the 4 posted, flushed", out[:k])
+	}
+	for _, comp := range out[:k] {
+		if comp.Status != transport.StatusFlushed {
+			t.Errorf("completion %+v, want flushed", comp)
+		}
+	}
+	if !c.finished() {
+		t.Error("the conn is not finished: Poll would wait")
+	}
+	err := c.closedErr()
+	if !errors.Is(err, transport.ErrDeviceRemoved) || !errors.Is(err, transport.ErrClosed) {
+		t.Errorf("end of the conn: %v, want ErrClosed and ErrDeviceRemoved", err)
+	}
+	if err := c.PostSend(transport.WorkRequest{ID: 5, Op: transport.OpSend}); !errors.Is(err, transport.ErrClosed) {
+		t.Errorf("post send after the removal: %v, want ErrClosed", err)
+	}
+	// The conn releases its resources by itself; Close waits for that.
+	c.Close()
+	if !c.destroyed.Load() {
+		t.Error("the verbs resources were not released")
+	}
+	// And Poll reports the end at once.
+	if _, err := c.Poll(context.Background(), out); !errors.Is(err, transport.ErrDeviceRemoved) {
+		t.Errorf("poll after the removal: %v, want ErrDeviceRemoved", err)
+	}
+}
+
+// TestListenerDeviceRemoval: the removal of the listener's device is no
+// orderly close: Accept's error must not match ErrClosed (a server would
+// then stop serving and exit 0), and must match ErrDeviceRemoved.
+func TestListenerDeviceRemoval(t *testing.T) {
+	l := &listener{p: &provider{log: zap.NewNop()}, addr: "192.0.2.1:7480", info: "rxe0 port 1"}
+	err := l.eventErr(verbs.Event{Type: verbs.EventDeviceRemoval})
+	if !errors.Is(err, transport.ErrDeviceRemoved) || errors.Is(err, transport.ErrClosed) {
+		t.Errorf("device removal on the listener: %v, want ErrDeviceRemoved and not ErrClosed", err)
+	}
+	for _, ty := range []verbs.EventType{verbs.EventAddrChange, verbs.EventTimewaitExit, verbs.EventDisconnected} {
+		if err := l.eventErr(verbs.Event{Type: ty}); err != nil {
+			t.Errorf("%v on the listener: %v, want it ignored", ty, err)
+		}
 	}
 }

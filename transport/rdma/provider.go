@@ -193,6 +193,9 @@ type listener struct {
 	done   chan struct{} // closed when Close is done
 	closed atomic.Bool
 	once   sync.Once
+	// failed is why the listener cannot accept any more (its device was
+	// removed): every Accept returns it, until Close (sem).
+	failed error
 }
 
 var _ transport.Listener = (*listener)(nil)
@@ -219,6 +222,9 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		if l.closed.Load() {
 			return nil, transport.ErrClosed
 		}
+		if l.failed != nil {
+			return nil, l.failed
+		}
 		ev, err := waitEvent(ctx, l.ch, l.w)
 		if err != nil {
 			if errors.Is(err, errWaiterClosed) || l.closed.Load() {
@@ -231,8 +237,10 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		}
 		if ev.Type != verbs.EventConnectRequest {
 			l.p.log.Debug("rdma listener event", zap.String("addr", l.addr), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
-			if ev.Type == verbs.EventDeviceRemoval {
-				return nil, fmt.Errorf("rdma accept on %s: device removed: %w", l.addr, transport.ErrClosed)
+			if err := l.eventErr(ev); err != nil {
+				l.p.log.Error("rdma listener: cannot accept any more", zap.String("addr", l.addr), zap.Error(err))
+				l.failed = err
+				return nil, err
 			}
 			continue
 		}
@@ -243,6 +251,17 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		}
 		return req, nil
 	}
+}
+
+// eventErr is the error that an event other than a connect request makes
+// of the listener, or nil if it goes on listening. Device removal is not
+// an orderly close (ErrClosed): a server must fail on it, and exit non-zero
+// so that its supervisor restarts it once a device is back.
+func (l *listener) eventErr(ev verbs.Event) error {
+	if ev.Type == verbs.EventDeviceRemoval {
+		return fmt.Errorf("rdma accept on %s (%s): %v: %w", l.addr, l.info, ev.Type, transport.ErrDeviceRemoved)
+	}
+	return nil
 }
 
 // request moves the id of a connect request to an event channel of its
