@@ -6,7 +6,8 @@
 # staticcheck; Go if missing and Debian's is new enough), then runs every
 # check and keeps going after a failure, so one run shows them all:
 #
-#   build, gofmt, go vet, staticcheck, unit tests (-race), the end-to-end
+#   build, gofmt, go vet, staticcheck, go vet and staticcheck of transport/
+#   with -tags rdma (the verbs provider, cgo), unit tests (-race), the end-to-end
 #   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
 #   fuzz target of protocol/ for FUZZTIME each (default 10s), and the test on
 #   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernel under
@@ -73,9 +74,11 @@ setup() {
 		return
 	fi
 	# qemu-io/qemu-img, nbdinfo and nbdfuse, fio, fusermount3, nbdkit (the
-	# slow disk of the fault tests), e2fsprogs,
-	# losetup and mount, and a C toolchain for the race detector.
-	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates
+	# slow disk of the fault tests), e2fsprogs, losetup and mount, a C
+	# toolchain for the race detector, and rdma-core's headers for the verbs
+	# provider (-tags rdma).
+	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
+		libibverbs-dev librdmacm-dev
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
@@ -111,6 +114,15 @@ unit_tests() {
 	pkgs="$(go list ./... | grep -v '/e2e$')" || return 1
 	# shellcheck disable=SC2086
 	go test -race -count=1 -timeout 15m $pkgs
+}
+
+# rdma_lint vets and staticchecks the verbs provider, which only builds with
+# -tags rdma (cgo and rdma-core's headers), so the plain steps skip it.
+rdma_lint() {
+	local rc=0
+	go vet -tags rdma ./transport/... || rc=1
+	staticcheck -tags rdma ./transport/... || rc=1
+	return "$rc"
 }
 
 e2e_tests() {
@@ -164,6 +176,7 @@ step "go build ./..." go build ./...
 step "gofmt -l ." gofmt_check
 step "go vet ./..." go vet ./...
 step "staticcheck ./..." staticcheck ./...
+step "go vet and staticcheck -tags rdma ./transport/..." rdma_lint
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
 fuzz_all

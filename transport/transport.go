@@ -62,6 +62,13 @@ type Region interface {
 	// connection, and its lkey may no longer be used in new work requests.
 	// The memory itself is not freed. Operations already posted that use the
 	// region must have completed first; Deregister is safe to call twice.
+	//
+	// If it fails, the error matches ErrDeregisterFailed and the region may
+	// still be registered: the peer may still reach the memory with the
+	// rkey. The caller must then not reuse the memory for other data, nor
+	// free it, until a later Deregister succeeds or the Conn is closed;
+	// the provider keeps the region and refuses to Register memory that
+	// overlaps it on the same Conn.
 	Deregister() error
 }
 
@@ -282,7 +289,24 @@ type ConnRequest interface {
 	PrivateData() []byte
 	// RemoteAddr describes the peer for logs.
 	RemoteAddr() string
+	// Prepare sets the connection up before it is accepted and returns it,
+	// so that what the accept announces is true when the peer learns it:
+	// its queue pair exists, so regions may be registered on it and
+	// receives posted, and those receives are there for the peer's first
+	// SENDs, which may come as soon as its Dial returns. Until Accept
+	// returns, PostSend fails with ErrNotAccepted and Poll must not be
+	// called. Accept then returns this same Conn; Accept without Prepare
+	// works as well, with nothing posted before it. A second Prepare
+	// returns the same Conn.
+	//
+	// Once the request is rejected, or Accept failed answering it, the
+	// prepared Conn is closed: its receives complete with StatusFlushed and
+	// Poll then reports ErrClosed. Its owner still calls Close (as for any Conn)
+	// before freeing the memory of its regions. Closing the prepared Conn
+	// before Accept rejects the request.
+	Prepare() (Conn, error)
 	// Accept completes the connection, sending privateData to the peer.
+	// It returns the Conn of Prepare if Prepare was called.
 	Accept(ctx context.Context, privateData []byte) (Conn, error)
 	// Reject refuses it; the peer's Dial fails with a *RejectError that
 	// carries privateData.
@@ -330,4 +354,16 @@ var (
 	ErrNoDevice = errors.New("transport: no RDMA device")
 	// ErrUnsupported is returned by a provider built without its dependencies.
 	ErrUnsupported = errors.New("transport: provider not supported in this build")
+	// ErrDeviceRemoved is returned by a Listener's Accept, and reported by
+	// the Poll of a connection, when the RDMA device they use was removed
+	// (RDMA_CM_EVENT_DEVICE_REMOVAL). It is not ErrClosed: a server's
+	// accept loop must fail on it, not end as after an orderly Close.
+	ErrDeviceRemoved = errors.New("transport: RDMA device removed")
+	// ErrNotAccepted is returned by PostSend on a Conn of
+	// ConnRequest.Prepare before the request is accepted.
+	ErrNotAccepted = errors.New("transport: connection not accepted yet")
+	// ErrDeregisterFailed matches the error of a Region's Deregister that
+	// failed, leaving the memory registered (quarantined): see
+	// Region.Deregister.
+	ErrDeregisterFailed = errors.New("transport: deregistration failed; memory quarantined")
 )

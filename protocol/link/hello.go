@@ -68,7 +68,10 @@ func Dial(ctx context.Context, p transport.Provider, addr string, opts Options) 
 
 // Accept checks the hello of an incoming connection request, accepts it and
 // starts a link. A request with an unusable hello is rejected with an Error
-// message in the reject's private data.
+// message in the reject's private data. The receives the hello announces
+// are posted on the prepared connection before it is accepted, so that they
+// are there for the peer's first SENDs, which may come as soon as its Dial
+// returns (without relying on the peer's RNR retries).
 func Accept(ctx context.Context, req transport.ConnRequest, opts Options) (*Link, error) {
 	opts.setDefaults()
 	peer, err := parseHello(req.PrivateData())
@@ -81,15 +84,26 @@ func Accept(ctx context.Context, req transport.ConnRequest, opts Options) (*Link
 		req.Reject(b)
 		return nil, fmt.Errorf("accept %s: %w", req.RemoteAddr(), err)
 	}
-	conn, err := req.Accept(ctx, opts.hello())
+	conn, err := req.Prepare()
 	if err != nil {
 		return nil, fmt.Errorf("accept %s: %w", req.RemoteAddr(), err)
 	}
-	l, err := New(conn, int(peer.RecvCredits), opts)
+	l, err := setup(conn, int(peer.RecvCredits), opts)
 	if err != nil {
+		req.Reject(nil)
 		conn.Close()
-		return nil, err
+		return nil, fmt.Errorf("accept %s: %w", req.RemoteAddr(), err)
 	}
+	accepted, err := req.Accept(ctx, opts.hello())
+	if err == nil && accepted != conn {
+		err = errors.New("the provider accepted a connection other than the one it prepared")
+		accepted.Close()
+	}
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("accept %s: %w", req.RemoteAddr(), err)
+	}
+	l.start()
 	return l, nil
 }
 

@@ -152,6 +152,19 @@ const bufSize = protocol.MaxMessageSize
 // buffers in its hello. It posts opts.RecvBuffers receives before returning;
 // the caller must announce that number to the peer (see HelloFor).
 func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
+	l, err := setup(conn, peerCredits, opts)
+	if err != nil {
+		return nil, err
+	}
+	l.start()
+	return l, nil
+}
+
+// setup makes a link over conn without starting it: it registers the
+// message buffers and posts the receives, which a conn of
+// ConnRequest.Prepare takes before it is accepted. start starts it; Close
+// undoes it.
+func setup(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	opts.setDefaults()
 	if opts.Handler == nil {
 		return nil, errors.New("link: Options.Handler is required")
@@ -199,6 +212,12 @@ func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 		mem.Free()
 		return nil, fmt.Errorf("link: post receives: %w", err)
 	}
+	l.stop = func() {}
+	return l, nil
+}
+
+// start starts the goroutines of a link from setup.
+func (l *Link) start() {
 	ctx, cancel := context.WithCancel(context.Background())
 	l.stop = cancel
 	l.wg.Add(2)
@@ -206,7 +225,6 @@ func New(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	go l.serviceLoop(ctx)
 	l.wg.Add(1)
 	go l.watchLoop(ctx)
-	return l, nil
 }
 
 // Conn is the underlying transport connection.

@@ -125,6 +125,14 @@ type conn struct {
 	disconnected bool
 	destroyed    atomic.Bool // the verbs resources are gone (set under stateMu)
 
+	// started: the connection is established and its CM goroutine runs.
+	// A conn of Prepare takes registrations and receives before, but no
+	// sends.
+	started atomic.Bool
+
+	// removed: the device is gone; nothing touches the CQ any more.
+	removed atomic.Bool
+
 	closeOnce sync.Once
 	closing   atomic.Bool   // Close began: Poll leaves the CQ to it
 	closed    chan struct{} // closed when Close is done
@@ -210,6 +218,7 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 // start runs the goroutine that watches the RDMA CM events of an
 // established conn.
 func (c *conn) start() {
+	c.started.Store(true)
 	c.local = c.id.LocalAddr().String()
 	c.remote = c.id.PeerAddr().String()
 	c.info = idInfo(c.id)
@@ -231,15 +240,62 @@ func (c *conn) cmLoop() {
 			}
 			return
 		}
-		switch ev.Type {
-		case verbs.EventDisconnected:
-			c.breakConn(errPeerClose)
-		case verbs.EventDeviceRemoval:
-			c.breakConn(errors.New("RDMA device removed"))
-		case verbs.EventTimewaitExit, verbs.EventAddrChange, verbs.EventEstablished:
-		default:
-			c.log.Debug("rdma connection event", zap.String("remote", c.remote), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+		if c.handleEvent(ev) {
+			return
 		}
+	}
+}
+
+// handleEvent acts on an RDMA CM event of an established conn and reports
+// whether the CM goroutine is to stop.
+func (c *conn) handleEvent(ev verbs.Event) (stop bool) {
+	switch ev.Type {
+	case verbs.EventDisconnected:
+		c.breakConn(errPeerClose)
+	case verbs.EventDeviceRemoval:
+		c.deviceRemoved()
+		return true
+	case verbs.EventTimewaitExit, verbs.EventAddrChange, verbs.EventEstablished:
+	default:
+		c.log.Debug("rdma connection event", zap.String("remote", c.remote), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
+	}
+	return false
+}
+
+// deviceRemoved breaks the conn whose device is gone. The device will not
+// flush the work requests outstanding, so they complete flushed now, and
+// Poll, which no longer touches the CQ, returns them and then an error
+// matching transport.ErrDeviceRemoved (and ErrClosed). The verbs resources
+// are released at once in the background, as the kernel waits for them to
+// finish removing the device; the owner's Close waits for that.
+func (c *conn) deviceRemoved() {
+	c.log.Warn("rdma: the RDMA device of the connection was removed; breaking it",
+		zap.String("remote", c.remote), zap.String("device", c.info))
+	c.removed.Store(true)
+	c.flushOutstanding()
+	c.breakConn(fmt.Errorf("%w (%s)", transport.ErrDeviceRemoved, c.info))
+	go c.Close()
+}
+
+// flushOutstanding completes every work request posted to the QP whose
+// completion was not polled as flushed, for a QP that will report nothing
+// more.
+func (c *conn) flushOutstanding() {
+	for _, r := range [2]*ring{&c.sq, &c.rq} {
+		r.mu.Lock()
+		for seq := r.head; seq < r.tail; seq++ {
+			e := &r.ents[seq%uint64(len(r.ents))]
+			if e.hw {
+				e.hw, e.done = false, true
+				op := e.op
+				if r == &c.rq {
+					op = transport.OpRecv
+				}
+				e.comp = transport.Completion{ID: e.id, Op: op, Status: transport.StatusFlushed}
+			}
+		}
+		r.hwOut = 0
+		r.mu.Unlock()
 	}
 }
 
@@ -313,6 +369,10 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	if c.regClosed {
 		return nil, fmt.Errorf("register: %w", transport.ErrClosed)
 	}
+	if q := c.quarantinedOverlap(buf); q != nil {
+		return nil, fmt.Errorf("register %d bytes: the memory overlaps a region whose deregistration failed (%d bytes at %#x): %w",
+			len(buf), len(q.buf), q.addr, transport.ErrDeregisterFailed)
+	}
 	mr, err := c.pd.RegMR(unsafe.Pointer(&buf[0]), len(buf), flags)
 	if err != nil {
 		return nil, fmt.Errorf("register %d bytes: %w", len(buf), memlockHint(err))
@@ -340,6 +400,9 @@ type region struct {
 	rkey   uint32
 	access transport.Access
 	dead   atomic.Bool
+	// quarantined: a Deregister failed and the MR is still registered
+	// (c.regMu).
+	quarantined bool
 }
 
 func (r *region) Bytes() []byte            { return r.buf }
@@ -348,6 +411,14 @@ func (r *region) LKey() uint32             { return r.lkey }
 func (r *region) RKey() uint32             { return r.rkey }
 func (r *region) Access() transport.Access { return r.access }
 
+// deregMR is ibv_dereg_mr; tests make it fail.
+var deregMR = (*verbs.MR).Dereg
+
+// Deregister deregisters the MR. If ibv_dereg_mr fails, the MR stays
+// registered, so the peer may still reach the memory with its rkey: the
+// region is quarantined (kept, its memory refused to Register on this conn)
+// and the error, which matches transport.ErrDeregisterFailed, says so. A
+// later Deregister tries again; Close tries once more.
 func (r *region) Deregister() error {
 	r.dead.Store(true)
 	c := r.c
@@ -356,11 +427,33 @@ func (r *region) Deregister() error {
 	if r.mr == nil {
 		return nil
 	}
-	err := r.mr.Dereg()
+	if err := deregMR(r.mr); err != nil {
+		if !r.quarantined {
+			c.log.Warn("rdma: deregistering a region failed; its memory is quarantined",
+				zap.String("remote", c.remote), zap.Uint64("addr", r.addr), zap.Int("len", len(r.buf)), zap.Error(err))
+		}
+		r.quarantined = true
+		return fmt.Errorf("deregister %d bytes at %#x: %w: %w", len(r.buf), r.addr, transport.ErrDeregisterFailed, err)
+	}
 	r.mr = nil
+	r.quarantined = false
 	delete(c.regions, r)
-	if err != nil {
-		return fmt.Errorf("deregister: %w", err)
+	return nil
+}
+
+// quarantinedOverlap reports whether buf overlaps a region whose
+// deregistration failed (c.regMu held).
+func (c *conn) quarantinedOverlap(buf []byte) *region {
+	lo := uintptr(unsafe.Pointer(&buf[0]))
+	hi := lo + uintptr(len(buf))
+	for r := range c.regions {
+		if !r.quarantined {
+			continue
+		}
+		rlo := uintptr(r.addr)
+		if lo < rlo+uintptr(len(r.buf)) && rlo < hi {
+			return r
+		}
 	}
 	return nil
 }
@@ -405,7 +498,9 @@ var wrOpcodes = [...]uint32{
 // per ibv_post_send. A request that fails the local checks (its SGE, its
 // access rights) is not posted: it completes with
 // StatusLocalProtectionError after those before it, and those after it are
-// flushed, as the device would do.
+// flushed, as the device would do. If ibv_post_send refuses a request after
+// some of the call went to the QP, nothing after it is posted: it completes
+// with StatusTransportError and every later one of the call is flushed.
 func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	for i := range wrs {
 		switch wrs[i].Op {
@@ -419,6 +514,10 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	if r.closed || c.broken.Load() {
 		r.mu.Unlock()
 		return transport.ErrClosed
+	}
+	if !c.started.Load() {
+		r.mu.Unlock()
+		return fmt.Errorf("post send: %w", transport.ErrNotAccepted)
 	}
 	if int(r.tail-r.head)+len(wrs) > len(r.ents) {
 		r.mu.Unlock()
@@ -454,19 +553,24 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		}
 		staged++
 		if staged == len(buf) {
-			if err := c.postStaged(r, staged, start, &posted); err != nil {
+			stopped, err := c.postStaged(r, staged, start, &posted)
+			if err != nil {
 				return err
 			}
 			staged = 0
+			if stopped {
+				// The rest of the call is flushed, never posted.
+				bad = true
+			}
 		}
 	}
 	if staged > 0 {
-		if err := c.postStaged(r, staged, start, &posted); err != nil {
+		if _, err := c.postStaged(r, staged, start, &posted); err != nil {
 			return err
 		}
 	}
 	r.mu.Unlock()
-	if bad {
+	if bad && fail != nil {
 		// The connection breaks when the refused request completes: those
 		// before it may still complete normally.
 		c.markBroken(fail)
@@ -477,21 +581,22 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 // postStaged posts the n staged requests of the send queue r (r.mu held).
 // If nothing of this PostSend got to the QP, a refusal undoes the whole
 // call (r.mu released) and returns the error; otherwise the requests not
-// posted fail in their turn and break the connection.
-func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) error {
+// posted fail in their turn and break the connection, and postStaged
+// reports stopped: the caller must post nothing more.
+func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) (stopped bool, err error) {
 	k, err := c.qp.PostSend(n)
 	r.hwOut += k
 	if err == nil {
 		*posted += n
-		return nil
+		return false, nil
 	}
 	if *posted == 0 && k == 0 {
 		r.tail = start
 		r.mu.Unlock()
 		if errors.Is(err, syscall.ENOMEM) {
-			return fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
+			return false, fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
 		}
-		return fmt.Errorf("post send: %w", err)
+		return false, fmt.Errorf("post send: %w", err)
 	}
 	// Requests from index posted+k of this call on did not reach the QP.
 	*posted += k
@@ -510,13 +615,15 @@ func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) error {
 	}
 	c.log.Warn("rdma: ibv_post_send refused a request; breaking the connection", zap.String("remote", c.remote), zap.Error(err))
 	c.markBroken(fmt.Errorf("post send: %w", err))
-	return nil
+	return true, nil
 }
 
 // PostRecv posts receives in chains of up to postChunk per ibv_post_recv. A
 // receive whose buffer fails the local checks breaks the connection: it
 // completes with StatusLocalProtectionError after the receives before it
-// are flushed.
+// are flushed. If ibv_post_recv refuses a receive after some of the call
+// went to the QP, nothing after it is posted: it and every later receive of
+// the call complete flushed, and the connection breaks.
 func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	r := &c.rq
 	r.mu.Lock()
@@ -532,6 +639,7 @@ func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	start := r.tail
 	staged, posted := 0, 0
 	var fail error
+	stopped := false // a post was refused: post nothing more
 	post := func() error {
 		k, err := c.qp.PostRecv(staged)
 		r.hwOut += k
@@ -557,10 +665,15 @@ func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 		if fail == nil {
 			fail = fmt.Errorf("post recv: %w", err)
 		}
+		stopped = true
 		return nil
 	}
 	for i := range rrs {
 		rr := &rrs[i]
+		if stopped {
+			r.pushDone(rr.ID, transport.OpRecv, transport.StatusFlushed)
+			continue
+		}
 		w := &buf[staged]
 		if st := c.checkLocal(rr.Local, true, w); st != transport.StatusSuccess {
 			r.pushDone(rr.ID, transport.OpRecv, st)
@@ -619,8 +732,14 @@ func (c *conn) breakConn(cause error) {
 	c.broken.Store(true)
 	if !c.disconnected && !c.destroyed.Load() {
 		c.disconnected = true
-		if err := c.id.Disconnect(); err != nil {
-			c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
+		if c.started.Load() {
+			if err := c.id.Disconnect(); err != nil {
+				c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
+			}
+		} else if err := c.qp.ToError(); err != nil {
+			// Not connected (a conn of Prepare, or one whose accept
+			// failed): rdma_disconnect would not flush the receives.
+			c.log.Debug("rdma: moving the QP to the error state", zap.String("remote", c.remote), zap.Error(err))
 		}
 	}
 	c.stateMu.Unlock()
@@ -776,7 +895,7 @@ func (c *conn) closedErr() error {
 	if cause == nil || cause == errLocalClose {
 		return transport.ErrClosed
 	}
-	return fmt.Errorf("%w: %v", transport.ErrClosed, cause)
+	return fmt.Errorf("%w: %w", transport.ErrClosed, cause)
 }
 
 // tryCQEvent consumes a completion event if one is queued (pollSem held).
@@ -834,7 +953,7 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 		if n := c.emit(out); n > 0 {
 			return n, nil
 		}
-		alive := !c.destroyed.Load()
+		alive := !c.destroyed.Load() && !c.removed.Load()
 		// Without busy polling, an empty CQ is armed in the same call, and
 		// polled again after that.
 		arm := c.busy <= 0 || spun
@@ -920,7 +1039,7 @@ func (c *conn) Close() error {
 // or flushTimeout passed (pollSem held).
 func (c *conn) drainFlushes() {
 	deadline := time.Now().Add(flushTimeout)
-	for {
+	for !c.removed.Load() {
 		c.sq.mu.Lock()
 		c.rq.mu.Lock()
 		left := c.sq.hwOut + c.rq.hwOut
@@ -960,20 +1079,9 @@ func (c *conn) teardown() {
 	for _, r := range [2]*ring{&c.sq, &c.rq} {
 		r.mu.Lock()
 		r.closed = true
-		for seq := r.head; seq < r.tail; seq++ {
-			e := &r.ents[seq%uint64(len(r.ents))]
-			if e.hw {
-				e.hw, e.done = false, true
-				op := e.op
-				if r == &c.rq {
-					op = transport.OpRecv
-				}
-				e.comp = transport.Completion{ID: e.id, Op: op, Status: transport.StatusFlushed}
-			}
-		}
-		r.hwOut = 0
 		r.mu.Unlock()
 	}
+	c.flushOutstanding()
 	if err := c.id.Destroy(); err != nil {
 		c.log.Warn("rdma close", zap.Error(err))
 	}
@@ -1003,8 +1111,8 @@ func (c *conn) destroyVerbs() {
 	c.regMu.Lock()
 	c.regClosed = true
 	for r := range c.regions {
-		if err := r.mr.Dereg(); err != nil {
-			c.log.Warn("rdma close", zap.Error(err))
+		if err := deregMR(r.mr); err != nil {
+			c.log.Warn("rdma close: deregistering a region failed", zap.Bool("quarantined_before", r.quarantined), zap.Error(err))
 		}
 		r.mr = nil
 		r.dead.Store(true)

@@ -16,9 +16,11 @@
 // of an RDMA device's network interface (see DeviceAddrs); Accept delivers
 // each RDMA_CM_EVENT_CONNECT_REQUEST as a transport.ConnRequest, whose id
 // is moved at once to an event channel of its own (rdma_migrate_id), so
-// that connections outlive their listener. ConnRequest.Accept creates the
-// connection's resources, calls rdma_accept and waits for ESTABLISHED;
-// Reject is rdma_reject. Dial is rdma_resolve_addr, rdma_resolve_route,
+// that connections outlive their listener. ConnRequest.Prepare creates the
+// connection's resources, the QP on the request's id (rdma_create_qp, which
+// leaves it in INIT, where receives may be posted), before anything is
+// accepted; ConnRequest.Accept creates them if Prepare did not, calls
+// rdma_accept and waits for ESTABLISHED; Reject is rdma_reject. Dial is rdma_resolve_addr, rdma_resolve_route,
 // rdma_connect and ESTABLISHED (REJECTED by the peer's application gives a
 // *transport.RejectError with its private data; a port nobody listens on,
 // an unreachable address and the like give errors that name the address).
@@ -26,6 +28,12 @@
 // each side asks its peer for an RNR NAK timer of 0.64 ms (set with an
 // RTS-to-RTS modify, the RDMA CM leaving 655 ms), so a SEND that comes
 // before its RECV is retried rather than failed.
+//
+// RDMA_CM_EVENT_DEVICE_REMOVAL fails the listener's Accept, from then on,
+// with an error matching transport.ErrDeviceRemoved (not ErrClosed); on a
+// connection it completes every outstanding work request as flushed (the
+// device will not), makes Poll end with ErrDeviceRemoved and releases the
+// verbs resources, which the kernel waits for to finish the removal.
 //
 // Private data: at most MaxConnectPrivateData (56) bytes with Dial,
 // MaxAcceptPrivateData (196) with Accept and MaxRejectPrivateData (147) with

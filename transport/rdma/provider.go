@@ -193,6 +193,9 @@ type listener struct {
 	done   chan struct{} // closed when Close is done
 	closed atomic.Bool
 	once   sync.Once
+	// failed is why the listener cannot accept any more (its device was
+	// removed): every Accept returns it, until Close (sem).
+	failed error
 }
 
 var _ transport.Listener = (*listener)(nil)
@@ -219,6 +222,9 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		if l.closed.Load() {
 			return nil, transport.ErrClosed
 		}
+		if l.failed != nil {
+			return nil, l.failed
+		}
 		ev, err := waitEvent(ctx, l.ch, l.w)
 		if err != nil {
 			if errors.Is(err, errWaiterClosed) || l.closed.Load() {
@@ -231,8 +237,10 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		}
 		if ev.Type != verbs.EventConnectRequest {
 			l.p.log.Debug("rdma listener event", zap.String("addr", l.addr), zap.Stringer("event", ev.Type), zap.Int("status", ev.Status))
-			if ev.Type == verbs.EventDeviceRemoval {
-				return nil, fmt.Errorf("rdma accept on %s: device removed: %w", l.addr, transport.ErrClosed)
+			if err := l.eventErr(ev); err != nil {
+				l.p.log.Error("rdma listener: cannot accept any more", zap.String("addr", l.addr), zap.Error(err))
+				l.failed = err
+				return nil, err
 			}
 			continue
 		}
@@ -243,6 +251,17 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		}
 		return req, nil
 	}
+}
+
+// eventErr is the error that an event other than a connect request makes
+// of the listener, or nil if it goes on listening. Device removal is not
+// an orderly close (ErrClosed): a server must fail on it, and exit non-zero
+// so that its supervisor restarts it once a device is back.
+func (l *listener) eventErr(ev verbs.Event) error {
+	if ev.Type == verbs.EventDeviceRemoval {
+		return fmt.Errorf("rdma accept on %s (%s): %v: %w", l.addr, l.info, ev.Type, transport.ErrDeviceRemoved)
+	}
+	return nil
 }
 
 // request moves the id of a connect request to an event channel of its
@@ -310,8 +329,9 @@ type connReq struct {
 	param  verbs.ConnParam
 	remote string
 
-	mu    sync.Mutex
-	state string // "" while pending, then what became of it
+	mu       sync.Mutex
+	state    string // "" while pending, then what became of it
+	prepared *conn  // of Prepare: owns id, ch and w from then on
 }
 
 var _ transport.ConnRequest = (*connReq)(nil)
@@ -326,6 +346,42 @@ func (r *connReq) release() {
 	r.ch.Destroy()
 }
 
+// Prepare creates the QP of the request on its cm_id (rdma_create_qp puts
+// it in the INIT state, where receives may be posted) without accepting:
+// the standard way to have receives posted before rdma_accept.
+func (r *connReq) Prepare() (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.prepared != nil {
+		return r.prepared, nil
+	}
+	if r.state != "" {
+		return nil, fmt.Errorf("prepare %s: request already %s", r.remote, r.state)
+	}
+	c, err := newConn(r.p, r.id, r.ch, r.w)
+	if err != nil {
+		r.state = "failed"
+		r.id.Reject(nil)
+		r.release()
+		return nil, fmt.Errorf("prepare %s: %w", r.remote, err)
+	}
+	c.peerPD = r.pd
+	c.remote = r.remote
+	r.prepared = c
+	return c, nil
+}
+
+// closeRequest ends a request that was not accepted: the prepared conn,
+// which owns the id, is closed (its receives flush), or what the request
+// owns is released.
+func (r *connReq) closeRequest() {
+	if r.prepared != nil {
+		r.prepared.Close()
+		return
+	}
+	r.release()
+}
+
 func (r *connReq) Reject(privateData []byte) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -336,9 +392,14 @@ func (r *connReq) Reject(privateData []byte) error {
 		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
 	}
 	r.state = "rejected"
+	if r.prepared != nil && r.prepared.closing.Load() {
+		// Its owner closed the prepared conn, which destroyed the id (and
+		// so refused the peer).
+		return nil
+	}
 	enc, _ := encodePrivateData(privateData, MaxRejectPrivateData+1)
 	err := r.id.Reject(enc)
-	r.release()
+	r.closeRequest()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
 	}
@@ -370,11 +431,16 @@ func (r *connReq) Accept(ctx context.Context, privateData []byte) (transport.Con
 }
 
 func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error) {
-	c, err := newConn(r.p, r.id, r.ch, r.w)
-	if err != nil {
-		r.id.Reject(nil)
-		r.release()
-		return nil, err
+	c := r.prepared
+	if c == nil {
+		var err error
+		if c, err = newConn(r.p, r.id, r.ch, r.w); err != nil {
+			r.id.Reject(nil)
+			r.release()
+			return nil, err
+		}
+	} else if c.closing.Load() {
+		return nil, fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
 	}
 	// What the peer's request says it issues and serves, seen from here.
 	resp := min(c.respRes, max(r.param.ResponderResources, 1))
@@ -382,7 +448,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	c.limits.MaxReadsInFlight = int(init)
 	c.peerPD = r.pd
 	enc, flow := encodePrivateData(privateData, MaxAcceptPrivateData)
-	err = r.id.Accept(verbs.ConnParam{
+	err := r.id.Accept(verbs.ConnParam{
 		PrivateData:        enc,
 		ResponderResources: resp,
 		InitiatorDepth:     init,
@@ -391,7 +457,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 		RNRRetryCount:      rnrRetryInfinite,
 	})
 	if err != nil {
-		c.teardown()
+		c.Close()
 		return nil, err
 	}
 	// The QP is ready to receive: ask the peer to retry a SEND that comes
@@ -402,7 +468,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	for {
 		ev, err := waitEvent(ctx, r.ch, r.w)
 		if err != nil {
-			c.teardown()
+			c.Close()
 			return nil, err
 		}
 		switch ev.Type {
@@ -410,8 +476,12 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 			c.start()
 			return c, nil
 		case verbs.EventRejected, verbs.EventConnectError, verbs.EventUnreachable, verbs.EventDisconnected, verbs.EventDeviceRemoval:
-			c.teardown()
-			return nil, fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
+			c.Close()
+			err := fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
+			if ev.Type == verbs.EventDeviceRemoval {
+				err = fmt.Errorf("%w: %w", err, transport.ErrDeviceRemoved)
+			}
+			return nil, err
 		}
 	}
 }

@@ -95,6 +95,10 @@ type conn struct {
 	dying      chan struct{} // closed when the state leaves stateOpen
 	done       chan struct{} // closed when the goroutines are gone and all is flushed
 	finalized  bool
+	// started: the goroutines run, or never will (closed before). A conn
+	// of ConnRequest.Prepare is not started until it is accepted; until
+	// then it takes receives but no sends.
+	started bool
 
 	// Send queue: [sqHead, sqTail) are posted and not completed,
 	// [sqHead, sqTx) of them were transmitted.
@@ -150,6 +154,14 @@ var _ transport.Conn = (*conn)(nil)
 // what was read past the handshake. peerReads is the number of READs the
 // peer serves at once.
 func newConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerReads int) *conn {
+	c := makeConn(opts, nc, br, peerPD, peerReads)
+	c.start()
+	return c
+}
+
+// makeConn makes a connection over nc without starting it: it takes
+// registrations and receives, and start makes the work flow.
+func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerReads int) *conn {
 	c := &conn{
 		opts:   opts,
 		nc:     nc,
@@ -179,6 +191,19 @@ func newConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRea
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
+	return c
+}
+
+// start starts the goroutines of the connection; it reports false if the
+// connection was closed before.
+func (c *conn) start() bool {
+	c.mu.Lock()
+	if c.started {
+		c.mu.Unlock()
+		return false
+	}
+	c.started = true
+	c.mu.Unlock()
 	c.wg.Add(2)
 	go c.readLoop()
 	go c.writeLoop()
@@ -186,7 +211,7 @@ func newConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRea
 		c.wg.Wait()
 		c.finalize()
 	}()
-	return c
+	return true
 }
 
 func (c *conn) PeerPrivateData() []byte  { return bytes.Clone(c.peerPD) }
@@ -309,6 +334,9 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	if c.state != stateOpen {
 		return transport.ErrClosed
 	}
+	if !c.started {
+		return fmt.Errorf("post send: %w", transport.ErrNotAccepted)
+	}
 	if c.sqOutstanding+len(wrs) > len(c.sq) {
 		return transport.ErrQueueFull
 	}
@@ -421,7 +449,12 @@ func (c *conn) notifyPoller() {
 func (c *conn) Close() error {
 	c.mu.Lock()
 	c.closeLocked(transport.ErrClosed)
+	neverStarted := !c.started
+	c.started = true // a conn closed before it started never starts
 	c.mu.Unlock()
+	if neverStarted {
+		c.finalize()
+	}
 	<-c.done
 	return nil
 }

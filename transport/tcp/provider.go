@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"go.uber.org/zap"
+
 	"github.com/rblk/rblk/transport"
 )
 
@@ -32,6 +34,9 @@ type Options struct {
 	// HandshakeTimeout bounds how long the listener waits for the connect
 	// request of a new stream (default 10s).
 	HandshakeTimeout time.Duration
+	// Logger gets the temporary accept errors the listener retries (warn).
+	// Default: no logging.
+	Logger *zap.Logger
 }
 
 func (o Options) withDefaults() Options {
@@ -49,6 +54,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.HandshakeTimeout <= 0 {
 		o.HandshakeTimeout = 10 * time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
 	}
 	return o
 }
@@ -228,18 +236,24 @@ func (p *Provider) listen(ctx context.Context, addr string) (*listener, error) {
 	if err != nil {
 		return nil, err
 	}
+	return p.newListener(nl), nil
+}
+
+// newListener starts accepting on nl.
+func (p *Provider) newListener(nl net.Listener) *listener {
 	l := &listener{
 		p:       p,
 		nl:      nl,
 		addr:    nl.Addr().String(),
 		reqs:    make(chan *connRequest),
 		closing: make(chan struct{}),
+		failed:  make(chan struct{}),
 		shaking: make(map[net.Conn]struct{}),
 		pending: make(map[*connRequest]struct{}),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
-	return l, nil
+	return l
 }
 
 // removeStaleSocket removes the unix socket file at path if nothing listens
@@ -276,6 +290,11 @@ type listener struct {
 	closing   chan struct{}
 	wg        sync.WaitGroup
 
+	// failed is closed when the accept loop stopped on a permanent error,
+	// acceptErr; Accept returns it from then on (until Close).
+	failed    chan struct{}
+	acceptErr error
+
 	mu      sync.Mutex
 	shaking map[net.Conn]struct{}     // streams whose connect request is awaited
 	pending map[*connRequest]struct{} // requests returned by Accept, not yet answered
@@ -297,6 +316,22 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		return r, nil
 	case <-l.closing:
 		return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+	case <-l.failed:
+		select {
+		case <-l.closing:
+			return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
+		default:
+		}
+		// Requests whose handshake finished before the failure still go out.
+		select {
+		case r := <-l.reqs:
+			l.mu.Lock()
+			l.pending[r] = struct{}{}
+			l.mu.Unlock()
+			return r, nil
+		default:
+		}
+		return nil, fmt.Errorf("accept %s: %w", l.addr, l.acceptErr)
 	case <-ctx.Done():
 		return nil, fmt.Errorf("accept %s: %w", l.addr, ctx.Err())
 	}
@@ -322,6 +357,7 @@ func (l *listener) Close() error {
 		for _, r := range unanswered {
 			if r.take() {
 				r.nc.Close()
+				r.closePrepared()
 			}
 		}
 		if err != nil {
@@ -331,6 +367,26 @@ func (l *listener) Close() error {
 	return err
 }
 
+// temporaryAcceptError reports whether an accept(2) error leaves the
+// listening socket usable: out of descriptors or memory, or a connection
+// that was reset before it was taken.
+func temporaryAcceptError(err error) bool {
+	var ne net.Error
+	if errors.As(err, &ne) && ne.Timeout() {
+		return true
+	}
+	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ECONNABORTED, syscall.ENOBUFS,
+		syscall.ENOMEM, syscall.EPROTO, syscall.EPERM, syscall.EINTR, syscall.EAGAIN} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// acceptLoop accepts streams and starts their handshakes. It retries
+// temporary errors with a backoff of up to a second, logging each; any other
+// error ends it, and Accept returns that error from then on.
 func (l *listener) acceptLoop() {
 	defer l.wg.Done()
 	backoff := time.Duration(0)
@@ -342,10 +398,10 @@ func (l *listener) acceptLoop() {
 				return
 			default:
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() || errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
-				errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM) {
+			if temporaryAcceptError(err) {
 				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				l.p.opts.Logger.Warn("tcp listener: temporary accept error; retrying",
+					zap.String("addr", l.addr), zap.Duration("backoff", backoff), zap.Error(err))
 				select {
 				case <-time.After(backoff):
 				case <-l.closing:
@@ -353,7 +409,11 @@ func (l *listener) acceptLoop() {
 				}
 				continue
 			}
-			return // the listener is gone: Accept will block until Close
+			// The listening socket is unusable: tell Accept, which must not
+			// block forever nor pass this for an orderly close.
+			l.acceptErr = fmt.Errorf("accept loop stopped: %w", err)
+			close(l.failed)
+			return
 		}
 		backoff = 0
 		l.mu.Lock()
@@ -418,12 +478,40 @@ type connRequest struct {
 	peerReads int
 	remote    string
 
-	mu   sync.Mutex
-	done bool
+	mu       sync.Mutex
+	done     bool
+	prepared *conn // of Prepare, not started until accepted
 }
 
 func (r *connRequest) PrivateData() []byte { return r.pd }
-func (r *connRequest) RemoteAddr() string  { return r.remote }
+
+// Prepare makes the connection of the request without starting it: it
+// takes registrations and receives, which the reader finds once Accept
+// starts it, before it reads anything the peer sent.
+func (r *connRequest) Prepare() (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.prepared != nil {
+		return r.prepared, nil
+	}
+	if r.done {
+		return nil, fmt.Errorf("prepare %s: connection request already answered", r.remote)
+	}
+	r.prepared = makeConn(r.l.p.opts, r.nc, r.br, r.pd, r.peerReads)
+	return r.prepared, nil
+}
+
+// closePrepared closes the conn of Prepare, if any, after the request
+// failed or was rejected.
+func (r *connRequest) closePrepared() {
+	r.mu.Lock()
+	c := r.prepared
+	r.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
+func (r *connRequest) RemoteAddr() string { return r.remote }
 
 // take claims the request for an answer; only the first caller gets it.
 func (r *connRequest) take() bool {
@@ -454,21 +542,44 @@ func (r *connRequest) accept(ctx context.Context, privateData []byte) (*conn, er
 	if !r.take() {
 		return nil, errors.New("connection request already answered")
 	}
+	r.mu.Lock()
+	c := r.prepared
+	r.mu.Unlock()
+	fail := func(err error) (*conn, error) {
+		r.nc.Close()
+		r.closePrepared()
+		return nil, err
+	}
+	if c != nil {
+		c.mu.Lock()
+		closed := c.state != stateOpen
+		c.mu.Unlock()
+		if closed {
+			// Its owner closed the prepared conn: that is a reject.
+			r.nc.SetWriteDeadline(time.Now().Add(r.l.p.opts.HandshakeTimeout))
+			writeControl(r.nc, frameReject, version, 0, nil)
+			return fail(fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed))
+		}
+	}
 	opts := r.l.p.opts
 	stop := watchContext(ctx, r.nc)
 	err := writeControl(r.nc, frameAccept, version, uint32(opts.MaxReadsInFlight), privateData)
 	if !stop() || ctx.Err() != nil {
-		r.nc.Close()
-		return nil, ctx.Err()
+		return fail(ctx.Err())
 	}
 	if err == nil {
 		err = r.nc.SetDeadline(time.Time{})
 	}
 	if err != nil {
-		r.nc.Close()
-		return nil, err
+		return fail(err)
 	}
-	return newConn(opts, r.nc, r.br, r.pd, r.peerReads), nil
+	if c == nil {
+		return newConn(opts, r.nc, r.br, r.pd, r.peerReads), nil
+	}
+	if !c.start() {
+		return fail(fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed))
+	}
+	return c, nil
 }
 
 func (r *connRequest) Reject(privateData []byte) error {
@@ -483,6 +594,7 @@ func (r *connRequest) Reject(privateData []byte) error {
 	r.nc.SetWriteDeadline(time.Now().Add(r.l.p.opts.HandshakeTimeout))
 	err := writeControl(r.nc, frameReject, version, 0, privateData)
 	r.nc.Close()
+	r.closePrepared()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
 	}

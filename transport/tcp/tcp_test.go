@@ -327,3 +327,11 @@ func TestListenerCloseDropsUnanswered(t *testing.T) {
 		t.Error("accepting a dropped request succeeded")
 	}
 }
+
+// TestPrepareStrict runs the Prepare tests where a SEND that finds no
+// receive posted fails at once (as verbs with RNR retry 0 would): receives
+// posted on a prepared conn must be there before the peer's first SENDs.
+func TestPrepareStrict(t *testing.T) {
+	p := tcp.NewWithOptions("tcp", tcp.Options{RNRTimeout: time.Nanosecond})
+	transporttest.RunPrepare(t, p, tcpAddr)
+}

@@ -247,5 +247,7 @@ func RunProvider(t *testing.T, p transport.Provider, addr func(t *testing.T) str
 		e.notify(src, dst, 1)
 	})
 
+	RunPrepare(t, p, addr)
+
 	t.Run("Conn", func(t *testing.T) { Run(t, PairFunc(p, addr)) })
 }

@@ -81,12 +81,37 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 type connRequest struct {
 	transport.ConnRequest
 	p *Provider
+
+	mu       sync.Mutex
+	prepared *Conn // the *Conn of Prepare, which Accept returns too
+}
+
+// Prepare prepares with the wrapped request and returns a *Conn, the one
+// Accept returns.
+func (r *connRequest) Prepare() (transport.Conn, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.prepared != nil {
+		return r.prepared, nil
+	}
+	c, err := r.ConnRequest.Prepare()
+	if err != nil {
+		return nil, err
+	}
+	r.prepared = r.p.track(c)
+	return r.prepared, nil
 }
 
 func (r *connRequest) Accept(ctx context.Context, privateData []byte) (transport.Conn, error) {
 	c, err := r.ConnRequest.Accept(ctx, privateData)
 	if err != nil {
 		return nil, err
+	}
+	r.mu.Lock()
+	fc := r.prepared
+	r.mu.Unlock()
+	if fc != nil && fc.Conn == c {
+		return fc, nil
 	}
 	return r.p.track(c), nil
 }

@@ -49,7 +49,12 @@ enum {
 // rblk_qp_bufs are the arrays a QP posts from, allocated with it.
 struct rblk_qp_bufs {
 	int chunk;
-	int posted; // of the last post that failed: how many went before the one refused
+	// Of the last post that failed, how many went before the one refused:
+	// one counter per queue, as sends and receives are posted under
+	// different locks (a shared one could be overwritten by the other
+	// queue's post before it is read).
+	int send_posted;
+	int recv_posted;
 	struct rblk_wr *send_in;
 	struct ibv_send_wr *send_wr;
 	struct ibv_sge *send_sge;
@@ -89,8 +94,8 @@ static struct rblk_qp_bufs *rblk_alloc_qp_bufs(int chunk) {
 }
 
 // rblk_post_send posts send_in[0:n] as one chain with one ibv_post_send.
-// It returns 0, or the error of ibv_post_send with b->posted set to the
-// number of requests before the one that failed.
+// It returns 0, or the error of ibv_post_send with b->send_posted set to
+// the number of requests before the one that failed.
 static int rblk_post_send(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
 	int i, ret;
 	struct ibv_send_wr *bad = NULL;
@@ -117,10 +122,11 @@ static int rblk_post_send(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
 		wr->wr.rdma.rkey = in->rkey;
 	}
 	ret = ibv_post_send(qp, b->send_wr, &bad);
-	b->posted = ret ? (bad ? (int)(bad - b->send_wr) : 0) : n;
+	b->send_posted = ret ? (bad ? (int)(bad - b->send_wr) : 0) : n;
 	return ret;
 }
 
+// rblk_post_recv is rblk_post_send for receives; b->recv_posted counts.
 static int rblk_post_recv(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
 	int i, ret;
 	struct ibv_recv_wr *bad = NULL;
@@ -142,7 +148,7 @@ static int rblk_post_recv(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
 		}
 	}
 	ret = ibv_post_recv(qp, b->recv_wr, &bad);
-	b->posted = ret ? (bad ? (int)(bad - b->recv_wr) : 0) : n;
+	b->recv_posted = ret ? (bad ? (int)(bad - b->recv_wr) : 0) : n;
 	return ret;
 }
 
@@ -357,6 +363,14 @@ static int rblk_set_min_rnr_timer(struct ibv_qp *qp, uint8_t timer) {
 	memset(&attr, 0, sizeof(attr));
 	attr.min_rnr_timer = timer;
 	return ibv_modify_qp(qp, &attr, IBV_QP_MIN_RNR_TIMER);
+}
+
+static int rblk_qp_to_error(struct ibv_qp *qp) {
+	struct ibv_qp_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.qp_state = IBV_QPS_ERR;
+	return ibv_modify_qp(qp, &attr, IBV_QP_STATE);
 }
 
 static struct ibv_context *rblk_id_verbs(struct rdma_cm_id *id) { return id->verbs; }
@@ -777,25 +791,33 @@ type QPCaps struct {
 // complete on cq, every send request signaled. It allocates the arrays
 // chains of up to chunk requests are posted from.
 func (id *CMID) CreateQP(pd *PD, cq *CQ, want QPCaps, chunk int) (*QP, error) {
-	bufs := C.rblk_alloc_qp_bufs(C.int(chunk))
-	if bufs == nil {
-		return nil, errors.New("create QP: out of memory")
+	bufs, err := newQPBufs(chunk)
+	if err != nil {
+		return nil, err
 	}
 	var caps C.struct_ibv_qp_cap
 	if e := C.rblk_create_qp(id.p, pd.p, cq.p, C.uint32_t(want.SendWR), C.uint32_t(want.RecvWR), C.uint32_t(want.InlineData), &caps); e != 0 {
 		C.rblk_free_qp_bufs(bufs)
 		return nil, errnoErr("rdma_create_qp", e)
 	}
-	qp := &QP{
-		id:    id,
-		p:     C.rblk_id_qp(id.p),
-		bufs:  bufs,
-		chunk: chunk,
-		Caps:  QPCaps{SendWR: int(caps.max_send_wr), RecvWR: int(caps.max_recv_wr), InlineData: int(caps.max_inline_data)},
-	}
+	caps2 := QPCaps{SendWR: int(caps.max_send_wr), RecvWR: int(caps.max_recv_wr), InlineData: int(caps.max_inline_data)}
+	return wrapQP(id, C.rblk_id_qp(id.p), bufs, chunk, caps2), nil
+}
+
+func wrapQP(id *CMID, p *C.struct_ibv_qp, bufs *C.struct_rblk_qp_bufs, chunk int, caps QPCaps) *QP {
+	qp := &QP{id: id, p: p, bufs: bufs, chunk: chunk, Caps: caps}
 	qp.send = unsafe.Slice((*WR)(unsafe.Pointer(bufs.send_in)), chunk)
 	qp.recv = unsafe.Slice((*WR)(unsafe.Pointer(bufs.recv_in)), chunk)
-	return qp, nil
+	return qp
+}
+
+// newQPBufs allocates the posting arrays of a QP.
+func newQPBufs(chunk int) (*C.struct_rblk_qp_bufs, error) {
+	bufs := C.rblk_alloc_qp_bufs(C.int(chunk))
+	if bufs == nil {
+		return nil, errors.New("create QP: out of memory")
+	}
+	return bufs, nil
 }
 
 // QP is the queue pair of a CMID.
@@ -806,6 +828,8 @@ type QP struct {
 	chunk int
 	send  []WR
 	recv  []WR
+	// fake is the state of a QP of NewFakeQP, nil for a real one.
+	fake *fakeQP
 	// Caps are the sizes the device gave.
 	Caps QPCaps
 }
@@ -824,7 +848,7 @@ func (qp *QP) RecvBuf() []WR { return qp.recv }
 // returns how many were posted before the one refused.
 func (qp *QP) PostSend(n int) (int, error) {
 	if e := C.rblk_post_send(qp.p, qp.bufs, C.int(n)); e != 0 {
-		return int(qp.bufs.posted), errnoErr("ibv_post_send", e)
+		return int(qp.bufs.send_posted), errnoErr("ibv_post_send", e)
 	}
 	return n, nil
 }
@@ -832,7 +856,7 @@ func (qp *QP) PostSend(n int) (int, error) {
 // PostRecv posts RecvBuf()[:n] with one ibv_post_recv.
 func (qp *QP) PostRecv(n int) (int, error) {
 	if e := C.rblk_post_recv(qp.p, qp.bufs, C.int(n)); e != 0 {
-		return int(qp.bufs.posted), errnoErr("ibv_post_recv", e)
+		return int(qp.bufs.recv_posted), errnoErr("ibv_post_recv", e)
 	}
 	return n, nil
 }
@@ -846,12 +870,28 @@ func (qp *QP) SetMinRNRTimer(v uint8) error {
 	return nil
 }
 
+// ToError moves the QP to the error state (ibv_modify_qp IBV_QPS_ERR): the
+// device flushes every work request outstanding, and those posted later.
+func (qp *QP) ToError() error {
+	if qp.fake != nil {
+		return qp.fake.toError()
+	}
+	if e := C.rblk_qp_to_error(qp.p); e != 0 {
+		return errnoErr("ibv_modify_qp IBV_QPS_ERR", e)
+	}
+	return nil
+}
+
 // Destroy is rdma_destroy_qp; it frees the posting arrays.
 func (qp *QP) Destroy() {
 	if qp.bufs == nil {
 		return
 	}
-	C.rdma_destroy_qp(qp.id.p)
+	if qp.fake != nil {
+		qp.fake.destroy()
+	} else {
+		C.rdma_destroy_qp(qp.id.p)
+	}
 	C.rblk_free_qp_bufs(qp.bufs)
 	qp.bufs, qp.p, qp.send, qp.recv = nil, nil, nil, nil
 }
@@ -930,16 +970,16 @@ func (pd *PD) RegMR(addr unsafe.Pointer, length int, access int) (*MR, error) {
 	return &MR{p: p, LKey: uint32(p.lkey), RKey: uint32(p.rkey)}, nil
 }
 
-// Dereg is ibv_dereg_mr.
+// Dereg is ibv_dereg_mr. If it fails the MR stays registered (the device
+// may still use its keys) and Dereg may be called again.
 func (mr *MR) Dereg() error {
 	if mr.p == nil {
 		return nil
 	}
-	e := C.ibv_dereg_mr(mr.p)
-	mr.p = nil
-	if e != 0 {
+	if e := C.ibv_dereg_mr(mr.p); e != 0 {
 		return errnoErr("ibv_dereg_mr", e)
 	}
+	mr.p = nil
 	return nil
 }
 
