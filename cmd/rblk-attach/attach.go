@@ -118,7 +118,7 @@ func attach(f attachFlags) error {
 		return err
 	}
 	defer log.Sync()
-	p, why, err := providers.Open(f.transport)
+	p, why, err := providers.Open(f.transport, log)
 	if err != nil {
 		return err
 	}
@@ -216,7 +216,7 @@ func newListCmd() *cobra.Command {
 			if target == "" {
 				return errors.New("--target HOST:PORT is required")
 			}
-			p, _, err := providers.Open(transport)
+			p, _, err := providers.Open(transport, nil)
 			if err != nil {
 				return err
 			}

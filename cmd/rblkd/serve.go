@@ -93,7 +93,7 @@ func serve(f serveFlags) error {
 		return err
 	}
 	defer log.Sync()
-	p, why, err := providers.Open(f.transport)
+	p, why, err := providers.Open(f.transport, log)
 	if err != nil {
 		return err
 	}

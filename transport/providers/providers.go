@@ -5,6 +5,8 @@ package providers
 import (
 	"fmt"
 
+	"go.uber.org/zap"
+
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/rdma"
 	"github.com/rblk/rblk/transport/tcp"
@@ -16,11 +18,12 @@ const Names = "tcp|rdma|auto"
 // Open returns the provider called name: "tcp" (the software provider),
 // "rdma" (verbs; fails at once without a device), or "auto" (rdma when a
 // device exists, else tcp). The second result says what was chosen and why,
-// for the log.
-func Open(name string) (transport.Provider, string, error) {
+// for the log, which gets the provider's own warnings (nil: none).
+func Open(name string, log *zap.Logger) (transport.Provider, string, error) {
+	newTCP := func() transport.Provider { return tcp.NewWithOptions("tcp", tcp.Options{Logger: log}) }
 	switch name {
 	case "tcp":
-		return tcp.New("tcp"), "tcp (software RDMA emulation over TCP)", nil
+		return newTCP(), "tcp (software RDMA emulation over TCP)", nil
 	case "rdma":
 		p, err := rdma.New()
 		if err != nil {
@@ -30,11 +33,11 @@ func Open(name string) (transport.Provider, string, error) {
 	case "auto":
 		devs := rdma.Devices()
 		if len(devs) == 0 {
-			return tcp.New("tcp"), "tcp (auto: no RDMA device in " + rdma.SysfsDir + ")", nil
+			return newTCP(), "tcp (auto: no RDMA device in " + rdma.SysfsDir + ")", nil
 		}
 		p, err := rdma.New()
 		if err != nil {
-			return tcp.New("tcp"), fmt.Sprintf("tcp (auto: RDMA devices %v unusable: %v)", devs, err), nil
+			return newTCP(), fmt.Sprintf("tcp (auto: RDMA devices %v unusable: %v)", devs, err), nil
 		}
 		return p, fmt.Sprintf("rdma (auto: devices %v)", devs), nil
 	}
