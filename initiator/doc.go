@@ -15,9 +15,23 @@
 // finishes (and sends its Done), then the initiator acknowledges, and later
 // IO asks again.
 //
+// # Faults
+//
+// The link to the target is kept alive (a KeepAlive probe on a quiet link,
+// Options.KeepAlive) and every request has a timeout (Options.IOTimeout,
+// FlushTimeout); a silent or dead link goes down, and the volume reconnects
+// for Options.ReconnectTimeout while IO waits, then redoes the IO that was
+// in flight, or fails it with EIO. With a HostID, the target fences the
+// earlier session before the new one does IO, so nothing of the old
+// connection lands after it. Back on the same target process (VolumeInfo's
+// Instance) nothing acknowledged is lost; on another (a crash and restart)
+// the next Flush fails once with ErrLostWrites if writes were acknowledged
+// since the last successful flush. A volume fenced by another attach of
+// the same host ID stops with ErrFenced.
+//
 // # Usage
 //
-//	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: addr, Export: "vol0"})
+//	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: addr, Export: "vol0", HostID: id})
 //	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{v.NBDExport("vol0")}})
 //	go srv.Serve(ctx, listener)
 //	...

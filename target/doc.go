@@ -24,7 +24,19 @@
 //     flush;
 //   - Trim and WriteZeroes: zero the cached copy and the file (fallocate);
 //   - refuse what is malformed or out of range with an Error message, and
-//     close a session that breaks the protocol, without touching the others.
+//     close a session that breaks the protocol, without touching the others;
+//   - fence: a read-write Open with a host ID first fences every earlier
+//     session of that host ID and export (grants deregistered, handle stale,
+//     connection closed, requests finished); Done and Flush name the
+//     session's generation;
+//   - keep sessions honest: a silent initiator is dropped (KeepAlive), one
+//     that holds more than its share of the cache evicts its own chunks and
+//     gets less time to answer a revoke, one that does not answer is dropped
+//     and its host's share cut for a while, and a grant waiting for a slot
+//     never waits on one slow holder for long;
+//   - when a session ends without a clean close (a lost link, a fence, an
+//     unanswered revoke), write back whole chunks it held writable, since
+//     its last Dones may be lost while its RDMA WRITEs are in the cache.
 //
 // # Usage
 //
@@ -32,7 +44,7 @@
 //	l, err := provider.Listen(ctx, addr)
 //	go t.Serve(ctx, l)
 //	...
-//	t.Close() // ends sessions, writes back and syncs everything
+//	t.Close() // drains the initiators, ends sessions, writes back and syncs everything
 //
 // The caller owns the listener's provider and must Close the target: dirty
 // chunks live only in the cache until they are written back.
