@@ -317,8 +317,19 @@ func (l *Link) acquire(ctx context.Context, creditMsg bool) (int, error) {
 
 // post encodes m into a send slot and posts it. The caller holds a slot and a credit.
 func (l *Link) post(slot int, tag uint64, m protocol.Message) error {
-	buf := l.sendRegion.Bytes()[slot*bufSize : (slot+1)*bufSize]
 	l.mu.Lock()
+	if l.down != nil {
+		// Close may be freeing the send buffers (it does once the link
+		// is down): do not touch them. Encoding under l.mu after this
+		// check is safe, since Close frees them only after fail took
+		// l.mu.
+		err := l.down
+		l.freeSend = append(l.freeSend, slot)
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		return err
+	}
+	buf := l.sendRegion.Bytes()[slot*bufSize : (slot+1)*bufSize]
 	credits := min(l.toReturn, 0xffff)
 	l.toReturn -= credits
 	out, err := protocol.Append(buf[:0], uint16(credits), tag, m)
@@ -359,8 +370,15 @@ func (l *Link) Send(ctx context.Context, tag uint64, m protocol.Message) error {
 	if err != nil {
 		return err
 	}
+	if testHookAcquired != nil {
+		testHookAcquired(l)
+	}
 	return l.post(slot, tag, m)
 }
+
+// testHookAcquired, set by tests only, runs between taking a send slot and
+// posting into it.
+var testHookAcquired func(*Link)
 
 // WaitSent waits until every message sent so far has completed (the peer's
 // receive buffer holds it), the link is down, or ctx ends.

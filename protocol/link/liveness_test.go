@@ -184,3 +184,21 @@ func TestSendQueueAdmission(t *testing.T) {
 		time.Sleep(time.Millisecond) // polling for the count, bounded by the deadline
 	}
 }
+
+// TestSendRacingClose: a sender that got its send slot just before the
+// link went down and was closed must not write into the send buffers Close
+// freed (before, it encoded its message into unmapped memory and the
+// process died with SIGSEGV, seen in rblk-attach when a connection broke).
+func TestSendRacingClose(t *testing.T) {
+	p := newPair(t, 8, 0)
+	testHookAcquired = func(l *Link) {
+		if l == p.client {
+			l.Close() // frees the send buffers
+		}
+	}
+	defer func() { testHookAcquired = nil }()
+	d := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
+	if err := p.client.Send(context.Background(), 0, d); !errors.Is(err, ErrDown) {
+		t.Fatalf("send on a link closed after its slot was taken: %v, want ErrDown", err)
+	}
+}
