@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -102,4 +104,64 @@ func TestLostDoneLosesNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReconnectAttemptsAreBounded: a connection attempt that gets no answer
+// (its connect request lost on a link that is down) is given up after a
+// while and tried again, instead of using up the whole reconnect time
+// (seen with RDMA CM after a link fault in the guest).
+func TestReconnectAttemptsAreBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "vol.img")
+	r := startTargetAt(t, path, "127.0.0.1:0", 1<<20, 1<<20, 64<<10, false)
+	addr := r.addr
+	v := r.openWith(initiator.Options{HostID: "host-1", IOTimeout: 500 * time.Millisecond, ReconnectTimeout: 60 * time.Second})
+	if err := write(t, v, 0, []byte("before"), false); err != nil {
+		t.Fatal(err)
+	}
+	r.stop()
+	// A black hole on the target's address: it accepts and never answers.
+	hole, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted := make(chan net.Conn, 16)
+	go func() {
+		for {
+			c, err := hole.Accept()
+			if err != nil {
+				close(accepted)
+				return
+			}
+			accepted <- c
+		}
+	}()
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	select {
+	case c := <-accepted:
+		held = append(held, c) // kept open: that attempt hangs
+	case <-time.After(20 * time.Second):
+		t.Fatal("the volume did not try to reconnect")
+	}
+	hole.Close()
+	for c := range accepted {
+		held = append(held, c)
+	}
+	startTargetAt(t, path, addr, 1<<20, 1<<20, 64<<10, false)
+	start := time.Now()
+	res := make(chan error, 1)
+	go func() { res <- write(t, v, 4096, []byte("after"), false) }()
+	select {
+	case err := <-res:
+		if err != nil {
+			t.Fatalf("write after the target came back: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("IO still waits 15 s after the target came back: a hung connection attempt holds the reconnect")
+	}
+	t.Logf("IO went on %v after the target came back", time.Since(start).Round(time.Millisecond))
 }

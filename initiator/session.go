@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -27,11 +28,18 @@ type session struct {
 	draining bool // the target is shutting down: no new operations (v.mu)
 }
 
+// dialTimeout bounds one connection attempt: a connect request lost on a
+// link that is down (RDMA CM waits for its reply as long as it is let)
+// must not use up the whole reconnect time when the link comes back.
+const dialTimeout = 10 * time.Second
+
 // connect dials the target, opens the volume and registers the IO buffers.
 func (v *Volume) connect(ctx context.Context) (*session, error) {
 	s := &session{v: v}
-	l, err := link.Dial(ctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
+	dctx, cancel := context.WithTimeout(ctx, min(dialTimeout, v.opts.IOTimeout))
+	l, err := link.Dial(dctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
 		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
+	cancel()
 	if err != nil {
 		return nil, err
 	}
