@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # vm/lib.sh: shared helpers for guest scripts (bash). vm/run.sh puts it in
 # the guest as $RBLK_VM_LIB/lib.sh:
 #
@@ -16,7 +17,7 @@
 #                           Prometheus endpoint URL (HOST:PORT), 0 if absent;
 #                           fails (returns 1) if the endpoint does not answer
 #
-# LOGS (a dir) is read by fail only; FAIL_TAIL lines of each log (default 30).
+# Safe under set -e. LOGS (a dir) is read by fail only; FAIL_TAIL lines of each log (default 30).
 
 step() { echo "== $(cut -d' ' -f1 /proc/uptime)s $*"; }
 
@@ -53,10 +54,10 @@ wait_exit() {
 	# (No output from the watchdog: its sleep would hold the log pipe open.)
 	(sleep "$secs" && kill -KILL "$pid") >/dev/null 2>&1 &
 	dog=$!
-	wait "$pid"
-	rc=$?
-	kill "$dog" 2>/dev/null
-	wait "$dog" 2>/dev/null
+	rc=0
+	wait "$pid" || rc=$?
+	kill "$dog" 2>/dev/null || true
+	wait "$dog" 2>/dev/null || true
 	[ "$rc" = "$want" ] || fail "$what exited $rc, want $want (137: killed after ${secs}s)"
 	echo "$what exited $rc"
 }
