@@ -363,7 +363,7 @@ scen_kill_9() {
 		fail "rblk-attach did not reconnect within ${RECONNECT_S} s of rblkd's restart"
 	attach_alive
 	echo "rblk-attach reconnected ($(am rblk_attach_reconnects_total))"
-	wait_exit "$fio_pid" "the fio interrupted by kill -9" 180
+	wait_exit "$fio_pid" "the fio interrupted by kill -9" $((RECONNECT_S + 60))
 	grep -E "IOPS|err=" "$LOGS/fio-interrupted.log" | head -n 2
 
 	# The writes fio had in flight or unflushed when rblkd died may be lost:
@@ -423,7 +423,7 @@ scen_link_fault() {
 		"rblk-attach moved $((($(am rblk_attach_rdma_bytes_total) - w1) >> 10)) KiB by RDMA READ/WRITE meanwhile"
 	running "$fio_pid" || fail "harness: fio ended before the link came back (make it longer)"
 	step "IO resumes: fio completes and verify passes"
-	wait_exit "$fio_pid" "fio verify across the link fault" $((RECONNECT_S + 120))
+	wait_exit "$fio_pid" "fio verify across the link fault" $((RECONNECT_S + 60))
 	grep -E "IOPS|err=" "$LOGS/fio-link-fault.log" | head -n 3
 	attach_alive
 	echo "rblk-attach: reconnects $(am rblk_attach_reconnects_total), errors $(am rblk_attach_errors_total)"
