@@ -29,7 +29,7 @@ KERNELS=${RBLK_VM_KERNELS:-6.1 6.12}
 CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
 
 need=()
-for p in libibverbs-dev librdmacm-dev xz-utils; do
+for p in libibverbs-dev librdmacm-dev xz-utils kmod; do
 	dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
