@@ -80,8 +80,8 @@ fi
 KDIR=${RBLK_VM_KERNEL_DIR:-}
 if [ -n "$KDIR" ]; then
 	KDIR=$(cd "$KDIR" && pwd) || die "RBLK_VM_KERNEL_DIR not found"
-	case $KDIR in # (the guest sees the host's / but has tmpfs on these)
-	/tmp/* | /run/* | /proc/* | /sys/* | /dev/*) die "RBLK_VM_KERNEL_DIR=$KDIR: the guest cannot see it through its root" ;;
+	case $KDIR in # (the guest mounts its own /proc, /sys and /dev over these)
+	/proc/* | /sys/* | /dev/*) die "RBLK_VM_KERNEL_DIR=$KDIR: the guest cannot see it through its root" ;;
 	esac
 fi
 KROOT=${KDIR:-}
