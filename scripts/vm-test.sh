@@ -1,22 +1,51 @@
 #!/usr/bin/env bash
-# scripts/vm-test.sh: rblk's end-to-end test on a real kernel RDMA stack.
-# Builds rblkd and rblk-attach with the verbs provider (-tags rdma), boots
-# Debian's kernel under qemu with Soft-RoCE (vm/run.sh installs what it
-# needs) and runs vm/rblk-e2e.sh inside: the verbs provider's tests, then
-# rblk over RDMA on /dev/nbd0 with ext4 and fio, side by side with the
-# kernel's NVMe-oF RDMA.
+# scripts/vm-test.sh: rblk's end-to-end test on a real kernel RDMA stack, on
+# two guest kernels. Builds rblkd and rblk-attach with the verbs provider
+# (-tags rdma), then for each kernel boots it under qemu with Soft-RoCE
+# (vm/run.sh installs what it needs) and runs vm/rblk-e2e.sh inside: the
+# verbs provider's tests; rblk over RDMA on /dev/nbd0 with ext4 and fio
+# verify beside the kernel's NVMe-oF RDMA; a cache smaller than the volume
+# (revokes under fio verify); 64K chunks; kill -9 of rblkd mid-fio and
+# restart; a link fault; the guest's dmesg; rxe counters.
 #
-#   scripts/vm-test.sh            # RBLK_TRANSPORT=tcp to run it without verbs
+# Kernels (RBLK_VM_KERNELS, default "6.1 6.12"):
+#   6.1   Debian 12's linux-image-amd64, installed on the host (/boot)
+#   6.12  bookworm-backports' linux-image-6.12.*-amd64, downloaded for the
+#         guest only by vm/kernel-backports.sh (cached in /var/cache/rblk-vm;
+#         the host's apt sources are not changed)
+# Each kernel is its own PASS/FAIL; its share (guest.log, dmesg.log,
+# scenarios.txt, fio-table.txt, rxe-counters.txt, logs/) is
+# RESULTS/kernel-VERSION/ and its vm/run.sh output RESULTS/kernel-VERSION.log,
+# with RESULTS=/var/tmp/rblk-vm/results/DATE-PID (…/results/last: the newest;
+# the last 5 are kept). RBLK_VM_RESULTS=DIR chooses it.
+#
+#   scripts/vm-test.sh                     # both kernels
+#   RBLK_VM_KERNELS=6.12 scripts/vm-test.sh
+#   RBLK_TRANSPORT=tcp scripts/vm-test.sh  # without verbs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
+KERNELS=${RBLK_VM_KERNELS:-6.1 6.12}
+CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
+
 need=()
-for p in libibverbs-dev librdmacm-dev; do
+for p in libibverbs-dev librdmacm-dev xz-utils kmod; do
 	dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+
+if [ -n "${RBLK_VM_RESULTS:-}" ]; then
+	RESULTS=$RBLK_VM_RESULTS
+else
+	mkdir -p "$CACHE/results"
+	{ ls -1dt "$CACHE"/results/*/ 2>/dev/null || true; } | tail -n +5 | xargs -r rm -rf
+	RESULTS=$CACHE/results/$(date +%Y%m%d-%H%M%S)-$$
+	ln -sfn "$RESULTS" "$CACHE/results/last"
+fi
+mkdir -p "$RESULTS"
+
 art=$(mktemp -d /var/tmp/rblk-vm-bin.XXXXXX)
 trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
@@ -25,5 +54,40 @@ go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 if [ -n "${RBLK_TRANSPORT:-}" ]; then
 	printf 'export RBLK_TRANSPORT=%q\n' "$RBLK_TRANSPORT" >"$art/env.sh"
 fi
-echo "== booting the guest: vm/rblk-e2e.sh"
-RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-900} vm/run.sh vm/rblk-e2e.sh "$art"
+
+# run_kernel SERIES: the guest test on that kernel; appends to SUMMARY.
+SUMMARY=()
+run_kernel() {
+	local k=$1 kdir='' out=$RESULTS/kernel-$1 t0=$SECONDS rc=0 kver scen
+	echo
+	echo "== kernel $k: vm/rblk-e2e.sh (results in $out)"
+	case $k in
+	6.1) ;; # the host's linux-image-amd64
+	*)
+		if ! kdir=$(vm/kernel-backports.sh "$k" 2>&1 | tee -a "$out.log" | tail -n 1) || [ ! -d "$kdir" ]; then
+			SUMMARY+=("FAIL  kernel $k: could not get it from bookworm-backports (see $out.log)")
+			return 1
+		fi
+		;;
+	esac
+	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-900} \
+		vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
+	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
+	scen=$(awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $3, $1 }' "$out/scenarios.txt" 2>/dev/null || true)
+	if [ "$rc" = 0 ]; then
+		SUMMARY+=("PASS  kernel $k (${kver:-?}): $((SECONDS - t0))s; $scen")
+	else
+		SUMMARY+=("FAIL  kernel $k (${kver:-?}): exit $rc after $((SECONDS - t0))s; ${scen:-no scenario ran}; see $out.log")
+	fi
+	return "$rc"
+}
+
+failed=0
+for k in $KERNELS; do
+	mkdir -p "$RESULTS"
+	run_kernel "$k" || failed=$((failed + 1))
+done
+echo
+echo "== vm test results ($RESULTS)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$RESULTS/summary.txt"
+[ "$failed" = 0 ]
