@@ -85,7 +85,7 @@ func (v *Volume) reconnect() (*session, error) {
 			return s, nil
 		}
 		lastErr = err
-		if attempt == 1 || attempt%20 == 0 {
+		if attempt <= 5 || attempt%10 == 0 {
 			v.log.Info("reconnecting", zap.String("target", v.opts.Target), zap.Int("attempt", attempt), zap.Error(err))
 		}
 		select {

@@ -51,9 +51,12 @@ trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
-if [ -n "${RBLK_TRANSPORT:-}" ]; then
-	printf 'export RBLK_TRANSPORT=%q\n' "$RBLK_TRANSPORT" >"$art/env.sh"
-fi
+: >"$art/env.sh"
+for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS; do
+	if [ -n "${!v:-}" ]; then
+		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.sh"
+	fi
+done
 
 # run_kernel SERIES: the guest test on that kernel; appends to SUMMARY.
 SUMMARY=()
