@@ -270,32 +270,7 @@ func runFio(t *testing.T, uri string, args ...string) fioResult {
 	t.Helper()
 	all := append([]string{"--name=rblk", "--ioengine=nbd", "--uri=" + uri, "--output-format=json",
 		"--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}, args...)
-	r := run(t, 4*time.Minute, "fio", all...)
-	if r.code != 0 {
-		t.Fatalf("fio failed: %s", r)
-	}
-	out := r.stdout
-	if i := strings.Index(out, "{"); i >= 0 {
-		out = out[i:]
-	}
-	var res fioResult
-	if err := json.Unmarshal([]byte(out), &res); err != nil {
-		t.Fatalf("fio JSON: %v\n%s", err, r)
-	}
-	if len(res.Jobs) == 0 {
-		t.Fatalf("fio JSON has no job: %s", r)
-	}
-	for _, j := range res.Jobs {
-		if j.Error != 0 {
-			t.Fatalf("fio job %s: error %d\n%s", j.Name, j.Error, r)
-		}
-	}
-	for _, s := range []string{r.stderr, r.stdout} {
-		if strings.Contains(s, "verify:") || strings.Contains(s, "bad magic") || strings.Contains(s, "crc32c") && strings.Contains(s, "wanted") {
-			t.Fatalf("fio reports verify errors:\n%s", r)
-		}
-	}
-	return res
+	return checkFio(t, run(t, 4*time.Minute, "fio", all...))
 }
 
 // TestFio runs fio's nbd engine, random reads and writes at queue depth 32

@@ -254,13 +254,7 @@ func (n *nbdClient) send(typ uint16, off uint64, payload []byte) (uint64, error)
 // sendLen is send with the request's length given: a READ has no payload.
 func (n *nbdClient) sendLen(typ uint16, off uint64, length uint32, payload []byte) (uint64, error) {
 	n.handle++
-	req := binary.BigEndian.AppendUint32(nil, nbdRequestMagic)
-	req = binary.BigEndian.AppendUint16(req, 0)
-	req = binary.BigEndian.AppendUint16(req, typ)
-	req = binary.BigEndian.AppendUint64(req, n.handle)
-	req = binary.BigEndian.AppendUint64(req, off)
-	req = binary.BigEndian.AppendUint32(req, length)
-	req = append(req, payload...)
+	req := nbdRequest(n.handle, typ, off, length, payload)
 	n.c.SetWriteDeadline(time.Now().Add(30 * time.Second))
 	defer n.c.SetWriteDeadline(time.Time{})
 	if _, err := n.c.Write(req); err != nil {

@@ -87,13 +87,7 @@ func dialNBD(t *testing.T, sock, name string) *nbdClient {
 // error code and, for a successful READ, the data.
 func (n *nbdClient) do(typ uint16, off uint64, length uint32, payload []byte) (uint32, []byte, error) {
 	n.handle++
-	req := binary.BigEndian.AppendUint32(nil, nbdRequestMagic)
-	req = binary.BigEndian.AppendUint16(req, 0)
-	req = binary.BigEndian.AppendUint16(req, typ)
-	req = binary.BigEndian.AppendUint64(req, n.handle)
-	req = binary.BigEndian.AppendUint64(req, off)
-	req = binary.BigEndian.AppendUint32(req, length)
-	req = append(req, payload...)
+	req := nbdRequest(n.handle, typ, off, length, payload)
 	n.c.SetDeadline(time.Now().Add(60 * time.Second))
 	defer n.c.SetDeadline(time.Time{})
 	if _, err := n.c.Write(req); err != nil {
@@ -144,4 +138,15 @@ func (n *nbdClient) readAll(t *testing.T) []byte {
 func (n *nbdClient) close() {
 	n.do(nbdCmdDisc, 0, 0, nil)
 	n.c.Close()
+}
+
+// nbdRequest encodes an NBD request (simple, no flags) followed by payload.
+func nbdRequest(handle uint64, typ uint16, off uint64, length uint32, payload []byte) []byte {
+	req := binary.BigEndian.AppendUint32(nil, nbdRequestMagic)
+	req = binary.BigEndian.AppendUint16(req, 0)
+	req = binary.BigEndian.AppendUint16(req, typ)
+	req = binary.BigEndian.AppendUint64(req, handle)
+	req = binary.BigEndian.AppendUint64(req, off)
+	req = binary.BigEndian.AppendUint32(req, length)
+	return append(req, payload...)
 }
