@@ -14,7 +14,20 @@
 //   - Request sends a message and waits for the reply with its tag;
 //   - Send sends one-way messages and replies (in order, per goroutine);
 //   - RDMA posts a chain of one-sided READs and WRITEs and waits for all;
-//   - the Handler sees every message that is not a reply.
+//   - the Handler sees every message that is not a reply, but KeepAlive,
+//     which the link answers itself.
+//
+// The link owns the connection's send queue: its SENDs have the room of
+// their send slots kept for them, and RDMA chains wait (with the caller's
+// context) for the rest, in pieces when longer than it, so a full queue
+// never fails an operation or takes the link down.
+//
+// It also watches the peer, with one watchdog goroutine and no timer per
+// operation: with Options.KeepAlive it probes a quiet link and declares it
+// dead (ErrTimeout) after that much silence; with Options.RequestTimeout
+// (or RequestWithin) a reply or an RDMA completion that does not come in
+// time takes the link down the same way, and the connection is closed so
+// that everything in flight completes.
 //
 // # Caller's duties
 //
@@ -22,5 +35,7 @@
 //     must hand off to a goroutine anything that sends.
 //   - RDMA operations cannot be cancelled once posted: their buffers stay
 //     in use until they complete or the link breaks.
+//   - A link that went down stays down: make a new one (the initiator
+//     reconnects; the target ends the session).
 //   - Close the link; it closes the connection and waits for its goroutines.
 package link
