@@ -94,10 +94,20 @@ stop_rblkd() {
 }
 
 # free_nbd: the first /dev/nbdN without a server.
+# Devices are taken in turn (the next after the one taken last, in
+# $WORK/nbd-next), so that an attach never takes the device the scenario
+# before it just detached: the kernel may still hold that one's old
+# configuration for a moment, and NBD_CMD_CONNECT then fails with EBUSY.
 free_nbd() {
-	local n
-	for n in $(seq 0 15); do
-		[ -e "/sys/block/nbd$n/pid" ] || { echo "/dev/nbd$n"; return 0; }
+	local i n start
+	start=$(cat "$WORK/nbd-next" 2>/dev/null || echo 0)
+	for i in $(seq 0 15); do
+		n=$(((start + i) % 16))
+		if [ ! -e "/sys/block/nbd$n/pid" ]; then
+			echo $(((n + 1) % 16)) >"$WORK/nbd-next"
+			echo "/dev/nbd$n"
+			return 0
+		fi
 	done
 	return 1
 }
