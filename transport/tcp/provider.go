@@ -302,6 +302,14 @@ type listener struct {
 
 func (l *listener) Addr() string { return l.addr }
 
+// take records r as returned by Accept and not yet answered.
+func (l *listener) take(r *connRequest) transport.ConnRequest {
+	l.mu.Lock()
+	l.pending[r] = struct{}{}
+	l.mu.Unlock()
+	return r
+}
+
 func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 	select {
 	case <-l.closing:
@@ -310,10 +318,7 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 	}
 	select {
 	case r := <-l.reqs:
-		l.mu.Lock()
-		l.pending[r] = struct{}{}
-		l.mu.Unlock()
-		return r, nil
+		return l.take(r), nil
 	case <-l.closing:
 		return nil, fmt.Errorf("accept %s: %w", l.addr, transport.ErrClosed)
 	case <-l.failed:
@@ -325,10 +330,7 @@ func (l *listener) Accept(ctx context.Context) (transport.ConnRequest, error) {
 		// Requests whose handshake finished before the failure still go out.
 		select {
 		case r := <-l.reqs:
-			l.mu.Lock()
-			l.pending[r] = struct{}{}
-			l.mu.Unlock()
-			return r, nil
+			return l.take(r), nil
 		default:
 		}
 		return nil, fmt.Errorf("accept %s: %w", l.addr, l.acceptErr)
