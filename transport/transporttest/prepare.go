@@ -2,7 +2,6 @@ package transporttest
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -17,20 +16,8 @@ import (
 // (RNR retry 0; the tcp provider with a tiny RNRTimeout) the check is
 // strict.
 func RunPrepare(t *testing.T, p transport.Provider, addr func(t *testing.T) string) {
-	ctx := func(t *testing.T) context.Context {
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-		t.Cleanup(cancel)
-		return ctx
-	}
-	listen := func(t *testing.T) transport.Listener {
-		t.Helper()
-		l, err := p.Listen(context.Background(), addr(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { l.Close() })
-		return l
-	}
+	ctx := testContext
+	listen := func(t *testing.T) transport.Listener { return listenOn(t, p, addr) }
 
 	t.Run("PrepareBeforeAccept", func(t *testing.T) {
 		CheckGoroutines(t)

@@ -77,20 +77,8 @@ func connect(ctx context.Context, p transport.Provider, l transport.Listener, di
 // addr). addr returns a fresh address to listen on ("127.0.0.1:0", a socket
 // path).
 func RunProvider(t *testing.T, p transport.Provider, addr func(t *testing.T) string) {
-	listen := func(t *testing.T) transport.Listener {
-		t.Helper()
-		l, err := p.Listen(context.Background(), addr(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { l.Close() })
-		return l
-	}
-	ctx := func(t *testing.T) context.Context {
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-		t.Cleanup(cancel)
-		return ctx
-	}
+	listen := func(t *testing.T) transport.Listener { return listenOn(t, p, addr) }
+	ctx := testContext
 
 	t.Run("PrivateData", func(t *testing.T) {
 		CheckGoroutines(t)
@@ -250,4 +238,22 @@ func RunProvider(t *testing.T, p transport.Provider, addr func(t *testing.T) str
 	RunPrepare(t, p, addr)
 
 	t.Run("Conn", func(t *testing.T) { Run(t, PairFunc(p, addr)) })
+}
+
+// listenOn listens with p on a fresh address of addr, closed when t ends.
+func listenOn(t *testing.T, p transport.Provider, addr func(t *testing.T) string) transport.Listener {
+	t.Helper()
+	l, err := p.Listen(context.Background(), addr(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// testContext is a context that ends after waitTimeout, or with t.
+func testContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	t.Cleanup(cancel)
+	return ctx
 }
