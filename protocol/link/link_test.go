@@ -232,24 +232,11 @@ func TestCloseWakesWaiters(t *testing.T) {
 // bad rkey breaks the link with a remote access error.
 func TestRDMA(t *testing.T) {
 	p := newPair(t, 8, 0)
-	mem, err := transport.AllocMemory(1<<20, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mem.Free()
-	b := mem.Bytes()
-	remote, err := p.server.Conn().Register(b[:1<<19], transport.AccessLocalWrite|transport.AccessRemoteRead|transport.AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	local, err := p.client.Conn().Register(b[1<<19:], transport.AccessLocalWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
+	remote, local := p.regions(t)
 	lb := local.Bytes()
 	copy(lb, "hello, target")
 	ctx := context.Background()
-	err = p.client.RDMA(ctx,
+	err := p.client.RDMA(ctx,
 		Op{Write: true, Local: transport.SGE{Region: local, Offset: 0, Length: 5}, Addr: remote.Addr() + 100, RKey: remote.RKey()},
 		Op{Write: true, Local: transport.SGE{Region: local, Offset: 7, Length: 6}, Addr: remote.Addr() + 200, RKey: remote.RKey()})
 	if err != nil {
@@ -274,8 +261,6 @@ func TestRDMA(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("link still up after a remote access error")
 	}
-	local.Deregister()
-	remote.Deregister()
 }
 
 // TestMalformedMessageClosesLink: bytes that are not a protocol message
@@ -305,4 +290,27 @@ func TestMalformedMessageClosesLink(t *testing.T) {
 	if err := p.server.Err(); !errors.Is(err, protocol.ErrBadMagic) {
 		t.Fatalf("server link down with %v, want a bad magic error", err)
 	}
+}
+
+// regions registers 512 KiB on the server, readable and writable by the
+// peer, and 512 KiB on the client for local use; they go when t ends.
+func (p *pair) regions(t *testing.T) (remote, local transport.Region) {
+	t.Helper()
+	mem, err := transport.AllocMemory(1<<20, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mem.Free() })
+	b := mem.Bytes()
+	remote, err = p.server.Conn().Register(b[:1<<19], transport.AccessLocalWrite|transport.AccessRemoteRead|transport.AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { remote.Deregister() })
+	local, err = p.client.Conn().Register(b[1<<19:], transport.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { local.Deregister() })
+	return remote, local
 }

@@ -124,22 +124,7 @@ func TestRDMATimeout(t *testing.T) {
 // a SEND meeting a full queue took the link down).
 func TestSendQueueAdmission(t *testing.T) {
 	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: tcp.NewWithOptions("tcp", tcp.Options{SendQueueDepth: 32})})
-	mem, err := transport.AllocMemory(1<<20, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mem.Free()
-	b := mem.Bytes()
-	remote, err := p.server.Conn().Register(b[:1<<19], transport.AccessLocalWrite|transport.AccessRemoteRead|transport.AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer remote.Deregister()
-	local, err := p.client.Conn().Register(b[1<<19:], transport.AccessLocalWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer local.Deregister()
+	remote, local := p.regions(t)
 	ctx := context.Background()
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)
