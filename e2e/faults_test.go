@@ -537,17 +537,9 @@ func TestFaultLinkReset(t *testing.T) {
 // is tolerated once, then it must succeed) the backing file must hold it.
 func TestFaultLinkResetLosesDone(t *testing.T) {
 	t.Parallel()
-	backing := filepath.Join(t.TempDir(), "vol.img")
-	tg := startTarget(t, []string{"vol=" + backing + ",size=1M"}, "--chunk-size", "64K")
-	px := startProxy(t, tg.addr)
-	at := startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-lost-done"), "--reconnect-timeout", "30s")...)
 	const blk = 9
 	off := uint64(blk * blockSize)
-	nc := dialNBD(t, at.sock, "vol")
-	nc.mustWrite(t, off, blockData(blk, 1)) // takes a write grant of the chunk
-	if errno := nc.flush(t); errno != 0 {
-		t.Fatalf("first FLUSH: errno %d", errno)
-	}
+	backing, tg, px, at, nc := proxiedBlock(t, "e2e-lost-done", blk)
 	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
 	if err != nil {
 		t.Fatal(err)
@@ -686,18 +678,9 @@ func TestFaultLinkStall(t *testing.T) {
 // what the volume reads and in the backing file.
 func TestFaultLateFrames(t *testing.T) {
 	t.Parallel()
-	backing := filepath.Join(t.TempDir(), "vol.img")
-	tg := startTarget(t, []string{"vol=" + backing + ",size=1M"}, "--chunk-size", "64K")
-	px := startProxy(t, tg.addr)
-	at := startAttach(t, viaProxy(tg, px), "vol",
-		append(newFlags("--host-id", "e2e-late-frames"), "--reconnect-timeout", "30s")...)
 	const blk = 5
 	off := uint64(blk * blockSize)
-	nc := dialNBD(t, at.sock, "vol")
-	nc.mustWrite(t, off, blockData(blk, 1)) // takes a write grant of the chunk
-	if errno := nc.flush(t); errno != 0 {
-		t.Fatalf("first FLUSH: errno %d", errno)
-	}
+	backing, tg, px, at, nc := proxiedBlock(t, "e2e-late-frames", blk)
 	old, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
 	if err != nil {
 		t.Fatal(err)
@@ -986,4 +969,22 @@ func TestFaultBigWritesSmallChunks(t *testing.T) {
 	at.stop(t, stopTimeout)
 	tg.stop(t, stopTimeout)
 	verifyFile(t, backing, job...)
+}
+
+// proxiedBlock starts rblkd on a 1 MiB volume of 64K chunks and rblk-attach
+// with hostID through a fault proxy, writes version 1 of block blk through
+// an NBD client and flushes it: the attach then holds a write grant of the
+// block's chunk.
+func proxiedBlock(t *testing.T, hostID string, blk int) (string, *target, *faultproxy.Proxy, *attacher, *nbdClient) {
+	t.Helper()
+	backing := filepath.Join(t.TempDir(), "vol.img")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=1M"}, "--chunk-size", "64K")
+	px := startProxy(t, tg.addr)
+	at := startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", hostID), "--reconnect-timeout", "30s")...)
+	nc := dialNBD(t, at.sock, "vol")
+	nc.mustWrite(t, uint64(blk*blockSize), blockData(blk, 1))
+	if errno := nc.flush(t); errno != 0 {
+		t.Fatalf("first FLUSH: errno %d", errno)
+	}
+	return backing, tg, px, at, nc
 }
