@@ -18,6 +18,9 @@ const (
 	// AccessRemoteWrite lets the peer RDMA WRITE into the region.
 	// As with verbs, it requires AccessLocalWrite.
 	AccessRemoteWrite
+	// AccessBindWindow lets memory windows be bound to the region
+	// (IBV_ACCESS_MW_BIND): see WindowBinder.
+	AccessBindWindow
 )
 
 func (a Access) String() string {
@@ -25,7 +28,7 @@ func (a Access) String() string {
 	for _, f := range []struct {
 		bit  Access
 		name string
-	}{{AccessLocalWrite, "local-write"}, {AccessRemoteRead, "remote-read"}, {AccessRemoteWrite, "remote-write"}} {
+	}{{AccessLocalWrite, "local-write"}, {AccessRemoteRead, "remote-read"}, {AccessRemoteWrite, "remote-write"}, {AccessBindWindow, "bind-window"}} {
 		if a&f.bit != 0 {
 			if s != "" {
 				s += "|"
@@ -70,6 +73,54 @@ type Region interface {
 	// the provider keeps the region and refuses to Register memory that
 	// overlaps it on the same Conn.
 	Deregister() error
+}
+
+// WindowBinder is implemented by a Conn that can give its peer access to a
+// span of a registered region through a memory window bound to this
+// connection (a type-2 memory window bound to its queue pair), as the
+// kernel's storage targets do: the memory is registered once, and access
+// is granted and revoked per span without a registration on the IO path.
+//
+// A Conn that does not implement it, or whose BindWindow fails with
+// ErrUnsupported, needs a Register per span instead.
+type WindowBinder interface {
+	// BindWindow gives the peer access to r.Bytes()[off:off+length] with
+	// access, a non-empty subset of AccessRemoteRead|AccessRemoteWrite. r
+	// must be a live region of this Conn registered with AccessBindWindow,
+	// and with AccessLocalWrite for AccessRemoteWrite, else the error says
+	// why. The window's rkey works only through this Conn: the peer's
+	// operations through another connection, or after Invalidate, Close or
+	// the break of this one, fail with StatusRemoteAccessError.
+	//
+	// It returns once the bind has completed. On verbs the bind is a
+	// send-queue work request whose completion only Poll reaps (and never
+	// returns), so another goroutine must be polling the Conn. It fails
+	// with ErrUnsupported when the device has no type-2 memory windows,
+	// with ErrClosed on a broken connection and with ctx.Err() when ctx
+	// ends first (the window is then invalidated before it returns).
+	BindWindow(ctx context.Context, r Region, off, length int, access Access) (Window, error)
+}
+
+// Window is a span of a registered region that the peer may reach through
+// one connection until it is invalidated.
+type Window interface {
+	// Addr is the address under which the peer names the window's first
+	// byte in one-sided operations.
+	Addr() uint64
+	// RKey names the window in the peer's one-sided operations.
+	RKey() uint32
+	// Access is the set of remote rights the window was bound with.
+	Access() Access
+	// Invalidate revokes the window: once it returns nil, the peer's
+	// operations that name its rkey fail with StatusRemoteAccessError (and
+	// break the connection). Operations already executed are not undone.
+	// On a broken or closed connection the window died with it and
+	// Invalidate returns nil. If it fails, the error matches
+	// ErrDeregisterFailed and the peer may still reach the memory: the
+	// caller must not reuse it for other data until a later Invalidate
+	// succeeds or the Conn is closed. Safe to call twice; like BindWindow
+	// it needs the Conn to be polled.
+	Invalidate(ctx context.Context) error
 }
 
 // Opcode is the kind of a work request or completion.
