@@ -7,6 +7,9 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/protocol"
 )
 
 // supervise waits for the session to go down and reconnects.
@@ -79,10 +82,14 @@ func (v *Volume) reconnect() (*session, error) {
 			case <-ctx.Done():
 			}
 		}()
-		s, err := v.connect(ctx)
+		s, err := v.connect(ctx, false)
 		cancel()
 		if err == nil {
 			return s, nil
+		}
+		if errors.Is(err, auth.ErrFailed) || errors.Is(err, protocol.ErrAccess) {
+			// Trying again would not change the answer.
+			return nil, fmt.Errorf("reconnect to %s: %w", v.opts.Target, err)
 		}
 		lastErr = err
 		if attempt <= 5 || attempt%10 == 0 {

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
@@ -33,8 +34,9 @@ type session struct {
 // must not use up the whole reconnect time when the link comes back.
 const dialTimeout = 10 * time.Second
 
-// connect dials the target, opens the volume and registers the IO buffers.
-func (v *Volume) connect(ctx context.Context) (*session, error) {
+// connect dials the target, authenticates, opens the volume (taking it
+// over from another host if takeover) and registers the IO buffers.
+func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
 	s := &session{v: v}
 	dctx, cancel := context.WithTimeout(ctx, min(dialTimeout, v.opts.IOTimeout))
 	l, err := link.Dial(dctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
@@ -44,11 +46,19 @@ func (v *Volume) connect(ctx context.Context) (*session, error) {
 		return nil, err
 	}
 	s.link = l
+	if _, err := auth.Initiate(ctx, l, v.opts.HostID, v.opts.Secret); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+	}
 	mode := protocol.ModeReadWrite
 	if v.opts.ReadOnly {
 		mode = protocol.ModeReadOnly
 	}
-	err = l.Request(ctx, &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
+	open := &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}
+	if takeover && mode == protocol.ModeReadWrite {
+		open.Flags = protocol.OpenTakeover
+	}
+	err = l.Request(ctx, open, &s.info)
 	if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
 		// A read-only export: attach it read-only, as a disk with its
 		// write-protect switch on.

@@ -11,6 +11,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/initiator/nbd"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
@@ -52,6 +53,14 @@ type Options struct {
 	// host ID and export before the new one does IO. Empty: anonymous, no
 	// fencing.
 	HostID string
+	// Secret, if set, is HostID's secret: the volume then authenticates
+	// with the target, both ways, on every connection (see package auth),
+	// and refuses a target that does not. Nil: the host only names itself.
+	Secret []byte
+	// Takeover, on a read-write open of an exclusive export that another
+	// host holds, has the target fence that host and hand the export over
+	// (only on the first connection, never on a reconnect).
+	Takeover bool
 	// ReadOnly opens the volume for reading only.
 	ReadOnly bool
 	// PoolSize is the registered memory for IO buffers (default
@@ -162,7 +171,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	}
 	v.mem = mem
 	v.pool = newBufPool(mem.Bytes(), DefaultSlotSize)
-	s, err := v.connect(ctx)
+	s, err := v.connect(ctx, v.opts.Takeover)
 	if err != nil {
 		mem.Free()
 		return nil, err
@@ -243,14 +252,18 @@ func (v *Volume) Close(ctx context.Context) error {
 	return v.closeErr
 }
 
-// List asks the target at addr for its exports.
-func List(ctx context.Context, p transport.Provider, addr string) ([]protocol.ExportEntry, error) {
+// List asks the target at addr for the exports hostID may open,
+// authenticating with secret if it is not nil (see Options).
+func List(ctx context.Context, p transport.Provider, addr, hostID string, secret []byte) ([]protocol.ExportEntry, error) {
 	l, err := link.Dial(ctx, p, addr, link.Options{RecvBuffers: 8, SendBuffers: 8,
 		Handler: func(protocol.Header, []byte) {}})
 	if err != nil {
 		return nil, err
 	}
 	defer l.Close()
+	if _, err := auth.Initiate(ctx, l, hostID, secret); err != nil {
+		return nil, fmt.Errorf("list exports of %s: %w", addr, err)
+	}
 	var el protocol.ExportList
 	if err := l.Request(ctx, &protocol.ListExports{}, &el); err != nil {
 		return nil, fmt.Errorf("list exports of %s: %w", addr, err)

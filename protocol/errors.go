@@ -85,6 +85,13 @@ var (
 	// handle is being closed.
 	ErrShutdown = errors.New("protocol: shutting down")
 
+	// ErrAccess (CodeAccess) means access is denied: the session is not
+	// authenticated (its host is unknown, its secret wrong or missing, or
+	// it sent a request before authenticating; the target then closes the
+	// connection), or its host is not allowed to open the export. Unlike
+	// ErrPerm it never means the export is read-only.
+	ErrAccess = errors.New("protocol: access denied")
+
 	// ErrStale (CodeStale) means a grant is unknown or was revoked: ask for
 	// it again.
 	ErrStale = errors.New("protocol: stale grant")
@@ -98,6 +105,7 @@ const (
 	CodePerm     ErrorCode = 1   // EPERM: ErrPerm
 	CodeNoEnt    ErrorCode = 2   // ENOENT: ErrNoExport
 	CodeIO       ErrorCode = 5   // EIO: ErrIO
+	CodeAccess   ErrorCode = 13  // EACCES: ErrAccess
 	CodeBusy     ErrorCode = 16  // EBUSY: ErrBusy
 	CodeInval    ErrorCode = 22  // EINVAL: ErrInvalid
 	CodeNoSpc    ErrorCode = 28  // ENOSPC: ErrNoSpace
@@ -115,6 +123,7 @@ var codes = []struct {
 	{CodePerm, "EPERM", ErrPerm},
 	{CodeNoEnt, "ENOENT", ErrNoExport},
 	{CodeIO, "EIO", ErrIO},
+	{CodeAccess, "EACCES", ErrAccess},
 	{CodeBusy, "EBUSY", ErrBusy},
 	{CodeInval, "EINVAL", ErrInvalid},
 	{CodeNoSpc, "ENOSPC", ErrNoSpace},
@@ -214,7 +223,7 @@ func CodeOf(err error) ErrorCode {
 	var errno syscall.Errno
 	if errors.As(err, &errno) {
 		switch errno {
-		case syscall.EPERM, syscall.EACCES, syscall.EROFS:
+		case syscall.EPERM, syscall.EACCES, syscall.EROFS: // file permissions, not authentication
 			return CodePerm
 		case syscall.ENOENT, syscall.ENODEV, syscall.ENXIO:
 			return CodeNoEnt

@@ -168,20 +168,23 @@ func fuzzPayload(f *testing.F, typ protocol.Type) {
 	})
 }
 
-func FuzzHello(f *testing.F)        { fuzzPayload(f, protocol.TypeHello) }
-func FuzzError(f *testing.F)        { fuzzPayload(f, protocol.TypeError) }
-func FuzzExportList(f *testing.F)   { fuzzPayload(f, protocol.TypeExportList) }
-func FuzzOpen(f *testing.F)         { fuzzPayload(f, protocol.TypeOpen) }
-func FuzzVolumeInfo(f *testing.F)   { fuzzPayload(f, protocol.TypeVolumeInfo) }
-func FuzzGrantRequest(f *testing.F) { fuzzPayload(f, protocol.TypeGrantRequest) }
-func FuzzGrant(f *testing.F)        { fuzzPayload(f, protocol.TypeGrant) }
-func FuzzRevoke(f *testing.F)       { fuzzPayload(f, protocol.TypeRevoke) }
-func FuzzRevokeAck(f *testing.F)    { fuzzPayload(f, protocol.TypeRevokeAck) }
-func FuzzDone(f *testing.F)         { fuzzPayload(f, protocol.TypeDone) }
-func FuzzFlush(f *testing.F)        { fuzzPayload(f, protocol.TypeFlush) }
-func FuzzClose(f *testing.F)        { fuzzPayload(f, protocol.TypeClose) }
-func FuzzTrim(f *testing.F)         { fuzzPayload(f, protocol.TypeTrim) }
-func FuzzWriteZeroes(f *testing.F)  { fuzzPayload(f, protocol.TypeWriteZeroes) }
+func FuzzHello(f *testing.F)         { fuzzPayload(f, protocol.TypeHello) }
+func FuzzError(f *testing.F)         { fuzzPayload(f, protocol.TypeError) }
+func FuzzExportList(f *testing.F)    { fuzzPayload(f, protocol.TypeExportList) }
+func FuzzOpen(f *testing.F)          { fuzzPayload(f, protocol.TypeOpen) }
+func FuzzAuthStart(f *testing.F)     { fuzzPayload(f, protocol.TypeAuthStart) }
+func FuzzAuthChallenge(f *testing.F) { fuzzPayload(f, protocol.TypeAuthChallenge) }
+func FuzzAuthResponse(f *testing.F)  { fuzzPayload(f, protocol.TypeAuthResponse) }
+func FuzzVolumeInfo(f *testing.F)    { fuzzPayload(f, protocol.TypeVolumeInfo) }
+func FuzzGrantRequest(f *testing.F)  { fuzzPayload(f, protocol.TypeGrantRequest) }
+func FuzzGrant(f *testing.F)         { fuzzPayload(f, protocol.TypeGrant) }
+func FuzzRevoke(f *testing.F)        { fuzzPayload(f, protocol.TypeRevoke) }
+func FuzzRevokeAck(f *testing.F)     { fuzzPayload(f, protocol.TypeRevokeAck) }
+func FuzzDone(f *testing.F)          { fuzzPayload(f, protocol.TypeDone) }
+func FuzzFlush(f *testing.F)         { fuzzPayload(f, protocol.TypeFlush) }
+func FuzzClose(f *testing.F)         { fuzzPayload(f, protocol.TypeClose) }
+func FuzzTrim(f *testing.F)          { fuzzPayload(f, protocol.TypeTrim) }
+func FuzzWriteZeroes(f *testing.F)   { fuzzPayload(f, protocol.TypeWriteZeroes) }
 
 type negotiateSeed struct {
 	lmin, lmax, pmin, pmax uint8
@@ -267,6 +270,8 @@ func seedCorpus() map[string][]byte {
 		"FuzzRevokeAck": protocol.TypeRevokeAck, "FuzzDone": protocol.TypeDone,
 		"FuzzFlush": protocol.TypeFlush, "FuzzClose": protocol.TypeClose,
 		"FuzzTrim": protocol.TypeTrim, "FuzzWriteZeroes": protocol.TypeWriteZeroes,
+		"FuzzAuthStart": protocol.TypeAuthStart, "FuzzAuthChallenge": protocol.TypeAuthChallenge,
+		"FuzzAuthResponse": protocol.TypeAuthResponse,
 	} {
 		add(fuzz, payloadSeeds(typ))
 	}

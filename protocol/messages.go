@@ -463,9 +463,22 @@ type Open struct {
 	// UTF-8 without NUL. Empty is anonymous: the session cannot be
 	// reinstated. With a host ID, the target fences every earlier session
 	// of the same host ID and export before it replies (see the package
-	// doc).
+	// doc). On a session that named a host ID in AuthStart it is empty or
+	// that same ID.
 	HostID string
+	// Flags: OpenTakeover.
+	Flags uint8
 }
+
+// Flags of Open. Undefined bits are reserved.
+const (
+	// OpenTakeover, on a read-write Open of an exclusive export that
+	// another host holds, fences that host's session and takes the export
+	// over instead of failing with ErrBusy.
+	OpenTakeover = 1
+
+	openFlagsMask = OpenTakeover
+)
 
 func (m *Open) Type() Type { return TypeOpen }
 func (m *Open) Size() int  { return openFixedSize + len(m.Name) + len(m.HostID) }
@@ -474,7 +487,7 @@ func (m *Open) MarshalTo(b []byte) int {
 	n := m.Size()
 	_ = b[n-1]
 	b[0] = uint8(m.Mode)
-	b[1] = 0
+	b[1] = m.Flags
 	be.PutUint16(b[2:], uint16(len(m.Name)))
 	be.PutUint16(b[4:], uint16(len(m.HostID)))
 	be.PutUint16(b[6:], 0)
@@ -487,7 +500,7 @@ func (m *Open) Unmarshal(p []byte) error {
 	if len(p) < openFixedSize {
 		return truncated(TypeOpen, len(p), openFixedSize)
 	}
-	if err := checkReserved("reserved", uint32(p[1])|uint32(be.Uint16(p[6:]))); err != nil {
+	if err := checkReserved("reserved", uint32(be.Uint16(p[6:]))); err != nil {
 		return decodeErr(TypeOpen, err)
 	}
 	n := int(be.Uint16(p[2:]))
@@ -502,6 +515,7 @@ func (m *Open) Unmarshal(p []byte) error {
 		return err
 	}
 	m.Mode = Mode(p[0])
+	m.Flags = p[1]
 	m.Name = string(p[openFixedSize : openFixedSize+n])
 	m.HostID = string(p[openFixedSize+n:])
 	if err := m.validate(); err != nil {
@@ -513,6 +527,12 @@ func (m *Open) Unmarshal(p []byte) error {
 func (m *Open) validate() error {
 	if m.Mode != ModeReadOnly && m.Mode != ModeReadWrite {
 		return fmt.Errorf("%w: mode %d", ErrBadField, m.Mode)
+	}
+	if err := checkFlags("open", uint32(m.Flags), openFlagsMask); err != nil {
+		return err
+	}
+	if m.Flags&OpenTakeover != 0 && m.Mode != ModeReadWrite {
+		return fmt.Errorf("%w: takeover of a read-only open", ErrBadField)
 	}
 	if err := checkName(m.Name); err != nil {
 		return err

@@ -33,47 +33,55 @@ type Type uint8
 
 // Message types.
 const (
-	TypeHello        Type = 1  // Hello: connection private data in both directions
-	TypeError        Type = 2  // ErrorMsg: the reply to a request that failed
-	TypeListExports  Type = 3  // ListExports: initiator asks for the exports
-	TypeExportList   Type = 4  // ExportList: reply to ListExports
-	TypeOpen         Type = 5  // Open: initiator opens an export
-	TypeVolumeInfo   Type = 6  // VolumeInfo: reply to Open
-	TypeGrantRequest Type = 7  // GrantRequest: initiator asks for a chunk
-	TypeGrant        Type = 8  // Grant: reply to GrantRequest
-	TypeRevoke       Type = 9  // Revoke: target takes a grant back
-	TypeRevokeAck    Type = 10 // RevokeAck: reply to Revoke
-	TypeDone         Type = 11 // Done: initiator reports ranges it wrote
-	TypeOK           Type = 12 // OK: success reply without data
-	TypeFlush        Type = 13 // Flush: make earlier Done ranges durable
-	TypeTrim         Type = 14 // Trim: discard a range
-	TypeWriteZeroes  Type = 15 // WriteZeroes: zero a range
-	TypeClose        Type = 16 // Close: release a handle
-	TypeCredit       Type = 17 // Credit: returns credits, nothing else
-	TypeKeepAlive    Type = 18 // KeepAlive: either side checks a quiet link; reply OK
+	TypeHello         Type = 1  // Hello: connection private data in both directions
+	TypeError         Type = 2  // ErrorMsg: the reply to a request that failed
+	TypeListExports   Type = 3  // ListExports: initiator asks for the exports
+	TypeExportList    Type = 4  // ExportList: reply to ListExports
+	TypeOpen          Type = 5  // Open: initiator opens an export
+	TypeVolumeInfo    Type = 6  // VolumeInfo: reply to Open
+	TypeGrantRequest  Type = 7  // GrantRequest: initiator asks for a chunk
+	TypeGrant         Type = 8  // Grant: reply to GrantRequest
+	TypeRevoke        Type = 9  // Revoke: target takes a grant back
+	TypeRevokeAck     Type = 10 // RevokeAck: reply to Revoke
+	TypeDone          Type = 11 // Done: initiator reports ranges it wrote
+	TypeOK            Type = 12 // OK: success reply without data
+	TypeFlush         Type = 13 // Flush: make earlier Done ranges durable
+	TypeTrim          Type = 14 // Trim: discard a range
+	TypeWriteZeroes   Type = 15 // WriteZeroes: zero a range
+	TypeClose         Type = 16 // Close: release a handle
+	TypeCredit        Type = 17 // Credit: returns credits, nothing else
+	TypeKeepAlive     Type = 18 // KeepAlive: either side checks a quiet link; reply OK
+	TypeAuthStart     Type = 19 // AuthStart: initiator names itself, first request of a session
+	TypeAuthChallenge Type = 20 // AuthChallenge: reply to AuthStart
+	TypeAuthResponse  Type = 21 // AuthResponse: initiator's proof
+	TypeAuthAccept    Type = 22 // AuthAccept: reply to AuthResponse, the target's proof
 
-	typeMax = TypeKeepAlive
+	typeMax = TypeAuthAccept
 )
 
 var typeNames = [...]string{
-	TypeHello:        "Hello",
-	TypeError:        "Error",
-	TypeListExports:  "ListExports",
-	TypeExportList:   "ExportList",
-	TypeOpen:         "Open",
-	TypeVolumeInfo:   "VolumeInfo",
-	TypeGrantRequest: "GrantRequest",
-	TypeGrant:        "Grant",
-	TypeRevoke:       "Revoke",
-	TypeRevokeAck:    "RevokeAck",
-	TypeDone:         "Done",
-	TypeOK:           "OK",
-	TypeFlush:        "Flush",
-	TypeTrim:         "Trim",
-	TypeWriteZeroes:  "WriteZeroes",
-	TypeClose:        "Close",
-	TypeCredit:       "Credit",
-	TypeKeepAlive:    "KeepAlive",
+	TypeHello:         "Hello",
+	TypeError:         "Error",
+	TypeListExports:   "ListExports",
+	TypeExportList:    "ExportList",
+	TypeOpen:          "Open",
+	TypeVolumeInfo:    "VolumeInfo",
+	TypeGrantRequest:  "GrantRequest",
+	TypeGrant:         "Grant",
+	TypeRevoke:        "Revoke",
+	TypeRevokeAck:     "RevokeAck",
+	TypeDone:          "Done",
+	TypeOK:            "OK",
+	TypeFlush:         "Flush",
+	TypeTrim:          "Trim",
+	TypeWriteZeroes:   "WriteZeroes",
+	TypeClose:         "Close",
+	TypeCredit:        "Credit",
+	TypeKeepAlive:     "KeepAlive",
+	TypeAuthStart:     "AuthStart",
+	TypeAuthChallenge: "AuthChallenge",
+	TypeAuthResponse:  "AuthResponse",
+	TypeAuthAccept:    "AuthAccept",
 }
 
 func (t Type) String() string {
@@ -255,6 +263,14 @@ func New(t Type) (Message, error) {
 		return new(Credit), nil
 	case TypeKeepAlive:
 		return new(KeepAlive), nil
+	case TypeAuthStart:
+		return new(AuthStart), nil
+	case TypeAuthChallenge:
+		return new(AuthChallenge), nil
+	case TypeAuthResponse:
+		return new(AuthResponse), nil
+	case TypeAuthAccept:
+		return new(AuthAccept), nil
 	}
 	return nil, fmt.Errorf("%w: %d", ErrUnknownType, uint8(t))
 }

@@ -94,7 +94,7 @@ var goldens = []golden{
 		tag:  2,
 		msg:  &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol0", HostID: "host-a"},
 		hex: "52424c4b 01 05 0000 00000012 00000000 0000000000000002" + // Open, 18 bytes, tag 2
-			"01 00 0004 0006 0000" + // read-write, rsvd, name of 4 bytes, host ID of 6 bytes, rsvd
+			"01 00 0004 0006 0000" + // read-write, no flags, name of 4 bytes, host ID of 6 bytes, rsvd
 			"766f6c30" + // "vol0"
 			"686f73742d61", // "host-a"
 	},
@@ -224,6 +224,55 @@ var goldens = []golden{
 		credits: 16,
 		msg:     &protocol.Credit{},
 		hex:     "52424c4b 01 11 0010 00000000 00000000 0000000000000000", // Credit, 16 credits, no payload, tag 0
+	},
+	{
+		name: "Open/takeover",
+		tag:  3,
+		msg:  &protocol.Open{Mode: protocol.ModeReadWrite, Name: "v", HostID: "h", Flags: protocol.OpenTakeover},
+		hex: "52424c4b 01 05 0000 0000000a 00000000 0000000000000003" + // Open, 10 bytes, tag 3
+			"01 01 0001 0001 0000" + // read-write, takeover, name of 1 byte, host ID of 1 byte, rsvd
+			"76 68", // "v", "h"
+	},
+	{
+		name: "AuthStart",
+		tag:  1,
+		msg: &protocol.AuthStart{Flags: protocol.AuthHaveSecret, HostID: "host-a", Challenge: [32]byte{
+			0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31}},
+		hex: "52424c4b 01 13 0000 0000002e 00000000 0000000000000001" + // AuthStart, 46 bytes, tag 1
+			"01 00 0006 00000000" + // have secret, rsvd, host ID of 6 bytes, rsvd
+			"000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f" + // challenge
+			"686f73742d61", // "host-a"
+	},
+	{
+		name: "AuthChallenge",
+		tag:  1,
+		msg:  &protocol.AuthChallenge{Flags: protocol.AuthRequired, TargetID: "tgt", Challenge: [32]byte{31: 0xff}},
+		hex: "52424c4b 01 14 0000 0000002b 00000000 0000000000000001" + // AuthChallenge, 43 bytes, tag 1
+			"01 00 0003 00000000" + // required, rsvd, target ID of 3 bytes, rsvd
+			"00000000000000000000000000000000000000000000000000000000000000ff" + // challenge
+			"746774", // "tgt"
+	},
+	{
+		name: "AuthChallenge/unauthenticated",
+		tag:  1,
+		msg:  &protocol.AuthChallenge{TargetID: "", Challenge: [32]byte{0: 0xaa}},
+		hex: "52424c4b 01 14 0000 00000028 00000000 0000000000000001" + // AuthChallenge, 40 bytes, tag 1
+			"00 00 0000 00000000" + // not required, rsvd, no target ID, rsvd
+			"aa00000000000000000000000000000000000000000000000000000000000000", // challenge
+	},
+	{
+		name: "AuthResponse",
+		tag:  2,
+		msg:  &protocol.AuthResponse{Proof: [32]byte{0: 1, 31: 2}},
+		hex: "52424c4b 01 15 0000 00000020 00000000 0000000000000002" + // AuthResponse, 32 bytes, tag 2
+			"0100000000000000000000000000000000000000000000000000000000000002", // proof
+	},
+	{
+		name: "AuthAccept",
+		tag:  2,
+		msg:  &protocol.AuthAccept{Proof: [32]byte{0: 3, 31: 4}},
+		hex: "52424c4b 01 16 0000 00000020 00000000 0000000000000002" + // AuthAccept, 32 bytes, tag 2
+			"0300000000000000000000000000000000000000000000000000000000000004", // proof
 	},
 	{
 		name:    "KeepAlive",
@@ -361,7 +410,7 @@ var bads = []bad{
 	{"too large", "52424c4b 01 0b 0000 00000fe9 00000000 0000000000000004", protocol.ErrTooLarge},
 	{"huge length", "52424c4b 01 0b 0000 ffffffff 00000000 0000000000000004", protocol.ErrTooLarge},
 	{"unknown type 0", "52424c4b 01 00 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
-	{"unknown type 19", "52424c4b 01 13 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
+	{"unknown type 23", "52424c4b 01 17 0000 00000000 00000000 0000000000000004", protocol.ErrUnknownType},
 	{"payload shorter than length", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000000", protocol.ErrTruncated},
 	{"bytes after length", "52424c4b 01 0d 0000 00000010 00000000 0000000000000005 00000001 00000000 0000000000000003 00", protocol.ErrTrailing},
 	{"payload too short for type", "52424c4b 01 08 0000 00000010 00000000 0000000000000003 00000001 00000001 0000000000200000", protocol.ErrTruncated},
@@ -376,7 +425,17 @@ var bads = []bad{
 	{"Close reserved", "52424c4b 01 10 0000 00000008 00000000 0000000000000008 00000001 00000001", protocol.ErrReserved},
 	{"Close too long", "52424c4b 01 10 0000 00000010 00000000 0000000000000008 00000001 00000000 0000000000000003", protocol.ErrTrailing},
 	{"Revoke reserved", "52424c4b 01 09 0000 00000018 00000000 0000000000000001 00000001 80000000 0000000000200000 0000000000000007", protocol.ErrReserved},
-	{"Open reserved", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 01 0004 0000 0000 766f6c30", protocol.ErrReserved},
+	{"Open reserved", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 02 0004 0000 0000 766f6c30", protocol.ErrReserved},
+	{"Open takeover read-only", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 00 01 0004 0000 0000 766f6c30", protocol.ErrBadField},
+	{"AuthStart reserved", "52424c4b 01 13 0000 00000028 00000000 0000000000000001 00 01 0000 00000000" + strings.Repeat("00", 32), protocol.ErrReserved},
+	{"AuthStart flags", "52424c4b 01 13 0000 00000028 00000000 0000000000000001 02 00 0000 00000000" + strings.Repeat("00", 32), protocol.ErrReserved},
+	{"AuthStart short", "52424c4b 01 13 0000 00000027 00000000 0000000000000001 00 00 0000 00000000" + strings.Repeat("00", 31), protocol.ErrTruncated},
+	{"AuthStart long ID", "52424c4b 01 13 0000 00000029 00000000 0000000000000001 00 00 0002 00000000" + strings.Repeat("00", 32) + "61", protocol.ErrTruncated},
+	{"AuthStart NUL in ID", "52424c4b 01 13 0000 00000029 00000000 0000000000000001 00 00 0001 00000000" + strings.Repeat("00", 32) + "00", protocol.ErrBadField},
+	{"AuthChallenge reserved", "52424c4b 01 14 0000 00000028 00000000 0000000000000001 00 00 0000 00000100" + strings.Repeat("00", 32), protocol.ErrReserved},
+	{"AuthChallenge trailing", "52424c4b 01 14 0000 00000029 00000000 0000000000000001 00 00 0000 00000000" + strings.Repeat("00", 33), protocol.ErrTrailing},
+	{"AuthResponse short", "52424c4b 01 15 0000 0000001f 00000000 0000000000000001 " + strings.Repeat("00", 31), protocol.ErrTruncated},
+	{"AuthAccept long", "52424c4b 01 16 0000 00000021 00000000 0000000000000001 " + strings.Repeat("00", 33), protocol.ErrTrailing},
 	{"Open reserved 2", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 00 0004 0000 0001 766f6c30", protocol.ErrReserved},
 	{"Hello reserved", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 01 01 0001 00000000 0040 0000 00001000", protocol.ErrReserved},
 	{"Hello reserved 2", "52424c4b 01 01 0000 00000010 00000000 0000000000000000 01 01 0000 00000000 0040 8000 00001000", protocol.ErrReserved},

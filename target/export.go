@@ -24,13 +24,33 @@ type ExportConfig struct {
 	// Size, if not zero, creates Path as a sparse file of that size when it
 	// does not exist. An existing file keeps its size.
 	Size int64
+	// Allow, if not empty, lists the host IDs that may list and open the
+	// export; other hosts are refused.
+	Allow []string
+	// Shared lets several hosts open the export read-write at once (for
+	// cluster file systems). Without it a read-write export has one writer
+	// at a time (see Open's takeover); read-only opens are always shared.
+	Shared bool
+}
+
+// allows reports whether host may open e.
+func (e *ExportConfig) allows(host string) bool {
+	if len(e.Allow) == 0 {
+		return true
+	}
+	for _, h := range e.Allow {
+		if h == host {
+			return true
+		}
+	}
+	return false
 }
 
 // ParseExport parses NAME=PATH[,ro][,size=BYTES], the form of rblkd's --export flag.
 func ParseExport(s string) (ExportConfig, error) {
 	name, rest, ok := strings.Cut(s, "=")
 	if !ok || name == "" || rest == "" {
-		return ExportConfig{}, fmt.Errorf("export %q: want NAME=PATH[,ro][,size=BYTES]", s)
+		return ExportConfig{}, fmt.Errorf("export %q: want NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2]", s)
 	}
 	if len(name) > 255 || strings.ContainsAny(name, "\x00/") {
 		return ExportConfig{}, fmt.Errorf("export %q: name must be 1-255 bytes without '/' or NUL", s)
@@ -46,6 +66,15 @@ func ParseExport(s string) (ExportConfig, error) {
 			e.ReadOnly = true
 		case p == "rw":
 			e.ReadOnly = false
+		case p == "shared":
+			e.Shared = true
+		case strings.HasPrefix(p, "allow="):
+			for _, h := range strings.Split(strings.TrimPrefix(p, "allow="), ":") {
+				if h == "" || len(h) > 255 || strings.ContainsRune(h, 0) {
+					return ExportConfig{}, fmt.Errorf("export %q: bad host ID %q in allow= (host IDs separated by ':')", s, h)
+				}
+				e.Allow = append(e.Allow, h)
+			}
 		case strings.HasPrefix(p, "size="):
 			n, err := ParseSize(strings.TrimPrefix(p, "size="))
 			if err != nil || n <= 0 {
@@ -53,7 +82,7 @@ func ParseExport(s string) (ExportConfig, error) {
 			}
 			e.Size = n
 		default:
-			return ExportConfig{}, fmt.Errorf("export %q: unknown option %q (want ro, rw or size=BYTES)", s, p)
+			return ExportConfig{}, fmt.Errorf("export %q: unknown option %q (want ro, rw, size=BYTES, shared or allow=ID1:ID2)", s, p)
 		}
 	}
 	return e, nil
@@ -104,6 +133,7 @@ type Store interface {
 
 // volume is an open export.
 type volume struct {
+	cfg      ExportConfig
 	id       uint32
 	name     string
 	path     string
@@ -154,7 +184,7 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 		f.Close()
 		return nil, fmt.Errorf("export %q: stat %s: %w", e.Name, e.Path, err)
 	}
-	v := &volume{id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
+	v := &volume{cfg: e, id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
 		dirty: make(map[*chunk]struct{}), wbSignal: make(chan struct{}, 1)}
 	switch mode := st.Mode(); {
 	case mode.IsRegular():

@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -44,6 +45,9 @@ func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*
 	close(ready)
 	e.t.Cleanup(func() { l.Close() })
 	c := &client{Link: l}
+	if _, err := auth.Initiate(ctx, l, host, nil); err != nil {
+		return nil, err
+	}
 	return c, l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol", HostID: host}, &c.info)
 }
 
@@ -198,7 +202,7 @@ func (c *client) grantTime(t *testing.T, off uint64) (time.Duration, error) {
 // comes back at once it cannot take the cache again.
 func TestGrantHogDoesNotStallOthers(t *testing.T) {
 	const revokeTTL = 10 * time.Second
-	e, reg := startWith(t, make([]byte, 4<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL}, target.ExportConfig{})
+	e, reg := startWith(t, make([]byte, 4<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL}, target.ExportConfig{Shared: true})
 	hog, err := e.dialAs("hog", true, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -269,7 +273,7 @@ func TestGrantHogDoesNotStallOthers(t *testing.T) {
 // holder is not closed (before, the revoke ran under the requester's
 // context and the holder was dropped as if it had not answered).
 func TestEvictionOutlivesRequester(t *testing.T) {
-	e, reg := startWith(t, make([]byte, 2<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: 10 * time.Second}, target.ExportConfig{})
+	e, reg := startWith(t, make([]byte, 2<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: 10 * time.Second}, target.ExportConfig{Shared: true})
 	holder, err := e.dialAs("holder", false, 400*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)

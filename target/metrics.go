@@ -13,6 +13,9 @@ type Metrics struct {
 	revokes        prometheus.Counter
 	fenced         prometheus.Counter
 	revokeTimeouts prometheus.Counter
+	authFailures   *prometheus.CounterVec
+	refused        *prometheus.CounterVec
+	takeovers      prometheus.Counter
 	evictions      prometheus.Counter
 	loads          prometheus.Counter
 	loadBytes      prometheus.Counter
@@ -44,6 +47,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Earlier sessions of a host ID and export fenced because the host opened the export again (reinstatement)."}),
 		revokeTimeouts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revoke_timeouts_total",
 			Help: "Sessions closed because they did not answer a revoke in time."}),
+		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "auth_failures_total",
+			Help: "Sessions refused by authentication, by reason: unknown_host, no_secret, wrong_secret, unauthenticated_request, timeout."}, []string{"reason"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "refused_total",
+			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, not_allowed, writer_busy."}, []string{"reason"}),
+		takeovers: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "takeovers_total",
+			Help: "Exclusive exports taken over from another host (its session fenced)."}),
 		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache."}),
 		loads:          prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files."}),
 		loadBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files."}),
@@ -57,6 +66,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
+			m.authFailures, m.refused, m.takeovers,
 			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
 			m.flushSeconds, m.cacheUsed, m.cacheBudget)
 	}

@@ -25,9 +25,11 @@ type openVol struct {
 }
 
 // ident is an initiator's identity for one export: reinstatement fences
-// the earlier sessions of the same ident.
+// the earlier sessions of the same ident. An anonymous initiator (host "")
+// is its session.
 type ident struct {
 	host, export string
+	anon         uint64 // the session's id when host is ""
 }
 
 // session is one initiator's connection.
@@ -56,6 +58,15 @@ type session struct {
 	fenced      bool          // a later session of its identity took over: no more grants (mu)
 	peer        string        // the peer's host, for penalties
 	ended       chan struct{} // closed once the session released everything
+
+	// Authentication (see auth.go), guarded by mu.
+	state  int
+	host   string // the host ID of AuthStart: proven if the target has keys
+	ci, ct [protocol.ChallengeSize]byte
+	// countedHost is the host this session counts against in
+	// Target.perHost, if counted (Target.mu).
+	countedHost string
+	counted     bool
 }
 
 // penalized reports whether the session's host was recently dropped for
@@ -66,6 +77,9 @@ func (s *session) penalized() bool {
 
 func (s *session) handle(h protocol.Header, payload []byte) {
 	<-s.ready
+	if !s.gate(h) {
+		return
+	}
 	if h.Type == protocol.TypeDone {
 		// Done is handled in order on the completion goroutine, so that a
 		// later Flush or RevokeAck on this connection sees its ranges dirty.
@@ -147,8 +161,12 @@ func (s *session) serve(h protocol.Header, m protocol.Message) {
 // the operation's name and its error, which the caller replies with.
 func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 	switch m := m.(type) {
+	case *protocol.AuthStart:
+		return s.authStart(tag, m)
+	case *protocol.AuthResponse:
+		return s.authResponse(tag, m)
 	case *protocol.ListExports:
-		s.reply(tag, s.t.exportList())
+		s.reply(tag, s.t.exportList(s.hostID()))
 		return "list", nil
 	case *protocol.Open:
 		info, err := s.open(m)
@@ -182,6 +200,7 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 		if !ok {
 			return "close", fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
 		}
+		s.dropGrants(ov)
 		s.t.forget(s, ov)
 		s.reply(tag, &protocol.OK{})
 		return "close", nil
@@ -201,20 +220,40 @@ func (ov *openVol) current(gen uint64) error {
 	return nil
 }
 
+// hostID is the host the session named in AuthStart.
+func (s *session) hostID() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.host
+}
+
 func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
+	host := s.hostID()
+	if m.HostID != "" && m.HostID != host {
+		return nil, fmt.Errorf("Open names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
+	}
 	v := s.t.volumes[m.Name]
 	if v == nil {
 		return nil, fmt.Errorf("export %q: %w", m.Name, protocol.ErrNoExport)
+	}
+	if !v.cfg.allows(host) {
+		s.t.m.refused.WithLabelValues("not_allowed").Inc()
+		s.log.Warn("open refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
+		return nil, fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
 	}
 	writable := m.Mode == protocol.ModeReadWrite
 	if writable && v.readOnly {
 		return nil, fmt.Errorf("export %q is read-only: %w", m.Name, protocol.ErrPerm)
 	}
-	ov := &openVol{v: v, writable: writable, ident: ident{host: m.HostID, export: v.name}}
+	ov := &openVol{v: v, writable: writable, ident: ident{host: host, export: v.name}}
+	if host == "" {
+		ov.ident.anon = s.id
+	}
 	// Reinstatement: every earlier session of this host and export is
 	// fenced (its grants deregistered, its connection closed, its
-	// requests finished) before this one gets a handle.
-	if err := s.t.reinstate(s.ctx, s, ov); err != nil {
+	// requests finished) before this one gets a handle; so is another
+	// host's writer of an exclusive export on a takeover.
+	if err := s.t.reinstate(s.ctx, s, ov, m.Flags&protocol.OpenTakeover != 0); err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
@@ -226,7 +265,7 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 		s.t.cache.sessions.Add(1)
 	}
 	s.mu.Unlock()
-	s.log.Info("volume opened", zap.String("export", v.name), zap.String("host_id", m.HostID),
+	s.log.Info("volume opened", zap.String("export", v.name), zap.String("host_id", host),
 		zap.Bool("writable", writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !writable {
@@ -456,6 +495,33 @@ func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua boo
 	}
 	s.reply(tag, &protocol.OK{})
 	return nil
+}
+
+// dropGrants takes back the grants of a handle being closed, unless
+// another handle of the session has the same volume open: a grant belongs
+// to the session, and stays usable until revoke, close or the session's
+// end. The handle's Dones came before its Close on this connection, but
+// an initiator may have written without one: a writable grant's chunk is
+// written back whole, so that cache and file agree.
+func (s *session) dropGrants(ov *openVol) {
+	s.mu.Lock()
+	for _, o := range s.handles {
+		if o.v == ov.v {
+			s.mu.Unlock()
+			return
+		}
+	}
+	var drop []*chunk
+	for ch := range s.chunks {
+		if ch.key.vol == ov.v {
+			drop = append(drop, ch)
+			delete(s.chunks, ch)
+		}
+	}
+	s.mu.Unlock()
+	for _, ch := range drop {
+		s.t.cache.dropHolderLost(ch, s)
+	}
 }
 
 // fence stops every grant of the session at once, for a reinstatement:

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
@@ -34,6 +35,14 @@ const (
 	// DefaultKeepAlive is how long a session may stay silent before the
 	// target drops it (it probes after a third of that).
 	DefaultKeepAlive = 15 * time.Second
+	// DefaultMaxSessions and DefaultMaxSessionsPerHost bound the sessions
+	// in all and of one host ID. Each session costs its receive and send
+	// buffers (about 1 MiB) and a registration of the cache.
+	DefaultMaxSessions        = 1024
+	DefaultMaxSessionsPerHost = 64
+	// DefaultHandshakeTimeout is how long a connection may take to
+	// authenticate before it is closed.
+	DefaultHandshakeTimeout = 10 * time.Second
 )
 
 // Options configure a Target.
@@ -68,6 +77,22 @@ type Options struct {
 	// file and returns the Store the target uses instead: a test puts a
 	// slow or failing disk there. The file is still closed by the target.
 	WrapStore func(export string, f *os.File) Store
+	// Auth, if set, holds the secrets of the hosts allowed in: every
+	// session must prove its host's secret before anything else (see
+	// package auth). Nil: hosts name themselves and are believed.
+	Auth *auth.Keys
+	// TargetID names this target in the authentication. Default: the
+	// host name.
+	TargetID string
+	// MaxSessions and MaxSessionsPerHost bound the sessions (handshaking
+	// ones included) in all and of one host ID. Defaults
+	// DefaultMaxSessions and DefaultMaxSessionsPerHost.
+	MaxSessions        int
+	MaxSessionsPerHost int
+	// HandshakeTimeout bounds how long a connection may take to
+	// authenticate (or, without Auth, to name its host). Default
+	// DefaultHandshakeTimeout.
+	HandshakeTimeout time.Duration
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Registerer receives the target's metrics. Default: not registered.
@@ -96,6 +121,8 @@ type Target struct {
 
 	mu        sync.Mutex
 	sessions  map[*session]struct{}
+	accepted  int                  // sessions between accept and end, handshaking ones included
+	perHost   map[string]int       // sessions by host ID, from AuthStart to end
 	idents    map[ident]identEntry // the current session of each identity
 	penalties map[string]time.Time // hosts dropped for not answering revokes, until when
 	nextID    uint64
@@ -132,6 +159,21 @@ func New(opts Options) (*Target, error) {
 	if opts.Logger == nil {
 		opts.Logger = zap.NewNop()
 	}
+	if opts.MaxSessions == 0 {
+		opts.MaxSessions = DefaultMaxSessions
+	}
+	if opts.MaxSessionsPerHost == 0 {
+		opts.MaxSessionsPerHost = DefaultMaxSessionsPerHost
+	}
+	if opts.HandshakeTimeout == 0 {
+		opts.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if opts.TargetID == "" {
+		opts.TargetID, _ = os.Hostname()
+	}
+	if len(opts.TargetID) > protocol.MaxNameLen {
+		return nil, fmt.Errorf("target ID of %d bytes: at most %d", len(opts.TargetID), protocol.MaxNameLen)
+	}
 	if cs := opts.ChunkSize; cs < 64<<10 || cs > 1<<30 || cs&(cs-1) != 0 {
 		return nil, fmt.Errorf("chunk size %d: want a power of two from 64 KiB to 1 GiB", cs)
 	}
@@ -144,7 +186,7 @@ func New(opts Options) (*Target, error) {
 	}
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
-		idents: make(map[ident]identEntry), penalties: make(map[string]time.Time)}
+		idents: make(map[ident]identEntry), perHost: make(map[string]int), penalties: make(map[string]time.Time)}
 	for i, e := range opts.Exports {
 		if t.volumes[e.Name] != nil {
 			t.closeVolumes()
@@ -186,9 +228,13 @@ func (t *Target) closeVolumes() {
 	}
 }
 
-func (t *Target) exportList() *protocol.ExportList {
+// exportList lists the exports host may open.
+func (t *Target) exportList(host string) *protocol.ExportList {
 	l := &protocol.ExportList{}
 	for _, v := range t.vols {
+		if !v.cfg.allows(host) {
+			continue
+		}
 		l.Exports = append(l.Exports, protocol.ExportEntry{Name: v.name, Size: v.size, Flags: volFlags(v)})
 	}
 	sort.Slice(l.Exports, func(i, j int) bool { return l.Exports[i].Name < l.Exports[j].Name })
@@ -221,11 +267,24 @@ func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 			req.Reject(nil)
 			return nil
 		}
+		if t.accepted >= t.opts.MaxSessions {
+			t.mu.Unlock()
+			t.m.refused.WithLabelValues("session_limit").Inc()
+			t.log.Warn("session refused: too many sessions", zap.String("peer", req.RemoteAddr()), zap.Int("limit", t.opts.MaxSessions))
+			em := protocol.ErrorMsg{Code: protocol.CodeBusy, Text: fmt.Sprintf("too many sessions on the target (limit %d)", t.opts.MaxSessions)}
+			b, _ := protocol.Append(nil, 0, 0, &em)
+			req.Reject(b)
+			continue
+		}
+		t.accepted++
 		t.wg.Add(1)
 		t.mu.Unlock()
 		go func() {
 			defer t.wg.Done()
 			t.serveSession(t.ctx, req)
+			t.mu.Lock()
+			t.accepted--
+			t.mu.Unlock()
 		}()
 	}
 }
@@ -255,16 +314,36 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	t.m.sessions.Inc()
 	t.m.sessionsTotal.Inc()
 	s.log.Info("session started", zap.String("local", l.Conn().LocalAddr()))
+	// A connection that does not authenticate in time is closed.
+	handshake := time.AfterFunc(t.opts.HandshakeTimeout, func() {
+		s.mu.Lock()
+		st := s.state
+		if st == stateNew || st == stateChallenged {
+			s.state = stateRefused
+		}
+		s.mu.Unlock()
+		if st == stateNew || st == stateChallenged {
+			t.m.authFailures.WithLabelValues("timeout").Inc()
+			s.log.Warn("closing a connection that did not authenticate in time", zap.Duration("timeout", t.opts.HandshakeTimeout))
+			l.Close()
+		}
+	})
 
 	// The session lives until its link goes down or the target stops.
 	select {
 	case <-ctx.Done():
 	case <-l.Done():
 	}
+	handshake.Stop()
 	l.Close()
 	s.end()
 	t.mu.Lock()
 	delete(t.sessions, s)
+	if s.counted {
+		if t.perHost[s.countedHost]--; t.perHost[s.countedHost] <= 0 {
+			delete(t.perHost, s.countedHost)
+		}
+	}
 	t.mu.Unlock()
 	t.m.sessions.Dec()
 	t.progress.Add(1)
@@ -345,56 +424,115 @@ func (t *Target) drain(sessions []*session) {
 	}
 }
 
-// reinstate gives ov its session generation and, if its identity has a
-// host ID, makes s the identity's current session: every earlier session
-// of the identity is fenced first. Fencing marks the earlier handle stale
-// (its Done and Flush are refused from now on), closes its connection and
-// waits until the session released everything: its requests finished and
-// its grants deregistered, so nothing still in flight on it can reach the
-// cache or the file.
-func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol) error {
+// reinstate gives ov its session generation and, if it is writable,
+// makes s its identity's current session, after the checks of the
+// export's access mode:
+//   - an exclusive export (not Shared) has one writing host: another
+//     host's writer makes the open fail with ErrBusy naming it, unless
+//     takeover, which fences that writer first;
+//   - every earlier session of the same host and export is fenced
+//     (reinstatement: the host reconnected, or crashed and came back).
+//
+// Fencing marks the earlier handle stale (its Done and Flush are refused
+// from now on), closes its connection and waits until the session
+// released everything: its requests finished and its grants
+// deregistered, so nothing still in flight on it can reach the cache or
+// the file.
+func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeover bool) error {
 	t.mu.Lock()
 	t.nextGen++
 	ov.gen = t.nextGen
-	if ov.ident.host == "" || !ov.writable {
-		// Anonymous, or read-only: nothing of it can reach the file.
+	if !ov.writable {
+		// Read-only: nothing of it can reach the file.
 		t.mu.Unlock()
 		return nil
 	}
+	var others []identEntry
+	if !ov.v.cfg.Shared {
+		for id, e := range t.idents {
+			if id.export == ov.ident.export && id != ov.ident && e.s != s {
+				others = append(others, e)
+			}
+		}
+	}
+	if len(others) > 0 && !takeover {
+		t.mu.Unlock()
+		t.m.refused.WithLabelValues("writer_busy").Inc()
+		o := others[0]
+		return fmt.Errorf("export %q is held read-write by %s (session %d from %s): attach read-only, or take it over (rblk-attach --takeover): %w",
+			ov.ident.export, o.ov.ident.describe(), o.s.id, o.s.peer, protocol.ErrBusy)
+	}
+	for _, o := range others {
+		delete(t.idents, o.ov.ident)
+	}
 	old, had := t.idents[ov.ident]
 	t.idents[ov.ident] = identEntry{s: s, ov: ov}
-	if until, ok := t.penalties[ov.ident.host]; ok && until.UnixNano() > s.penaltyEnd.Load() {
+	if until, ok := t.penalties[ov.ident.host]; ok && ov.ident.host != "" && until.UnixNano() > s.penaltyEnd.Load() {
 		s.penaltyEnd.Store(until.UnixNano())
 	}
 	t.mu.Unlock()
-	if !had || old.s == s {
-		return nil
+	var errs []error
+	for _, o := range others {
+		t.m.takeovers.Inc()
+		o.s.log.Warn("fencing this session: another host takes the export over", zap.String("export", ov.ident.export),
+			zap.String("holder", o.ov.ident.describe()), zap.String("new_holder", ov.ident.describe()), zap.Uint64("new_session", s.id))
+		errs = append(errs, t.fence(ctx, o, fmt.Sprintf("fenced: %s took export %q over on session %d", ov.ident.describe(), ov.ident.export, s.id)))
 	}
-	old.ov.fenced.Store(true)
-	old.s.fence()
+	if had && old.s != s {
+		old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
+			zap.String("export", ov.ident.export), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
+		errs = append(errs, t.fence(ctx, old, fmt.Sprintf("fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)))
+	}
+	return errors.Join(errs...)
+}
+
+// fence ends the session of e: its grants are deregistered and its handle
+// is stale at once; it is told why (if it still listens: another attach,
+// not the new session's initiator reconnecting, so that it stops instead
+// of fencing back), its connection is closed, and fence waits until it
+// released everything.
+func (t *Target) fence(ctx context.Context, e identEntry, why string) error {
+	e.ov.fenced.Store(true)
+	e.s.fence()
 	t.m.fenced.Inc()
-	old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
-		zap.String("export", ov.ident.export), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
-	// Tell it, if it still listens (another attach of the same host, not
-	// this one reconnecting), so that it stops instead of fencing back.
 	nctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
-	notice := &protocol.ErrorMsg{Code: protocol.CodeStale, Text: fmt.Sprintf(
-		"fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)}
-	err := old.s.link.Send(nctx, 0, notice)
+	notice := &protocol.ErrorMsg{Code: protocol.CodeStale, Text: why}
+	err := e.s.link.Send(nctx, 0, notice)
 	if err == nil {
-		err = old.s.link.WaitSent(nctx)
+		err = e.s.link.WaitSent(nctx)
 	}
 	if err != nil {
-		old.s.log.Debug("fence notice not delivered", zap.Error(err))
+		e.s.log.Debug("fence notice not delivered", zap.Error(err))
 	}
 	cancel()
-	old.s.link.Close()
+	e.s.link.Close()
 	select {
-	case <-old.s.ended:
+	case <-e.s.ended:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("fence session %d of host %q: %w", old.s.id, ov.ident.host, ctx.Err())
+		return fmt.Errorf("fence session %d of %s: %w", e.s.id, e.ov.ident.describe(), ctx.Err())
 	}
+}
+
+// describe names the identity in messages.
+func (id ident) describe() string {
+	if id.host == "" {
+		return "an anonymous initiator"
+	}
+	return fmt.Sprintf("host %q", id.host)
+}
+
+// admitHost counts s as a session of host, within MaxSessionsPerHost.
+func (t *Target) admitHost(s *session, host string) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.perHost[host] >= t.opts.MaxSessionsPerHost {
+		t.m.refused.WithLabelValues("host_session_limit").Inc()
+		return fmt.Errorf("host %q has %d sessions, the most one host may have: %w", host, t.perHost[host], protocol.ErrBusy)
+	}
+	t.perHost[host]++
+	s.countedHost, s.counted = host, true
+	return nil
 }
 
 // forget drops ov's identity when s was its current session.

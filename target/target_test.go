@@ -6,11 +6,13 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -36,9 +38,13 @@ func TestParseExport(t *testing.T) {
 		{in: "v=/x,size=0", err: true},
 		{in: "v=/x,bogus", err: true},
 		{in: "a/b=/x", err: true},
+		{in: "v=/x,shared", want: target.ExportConfig{Name: "v", Path: "/x", Shared: true}},
+		{in: "v=/x,allow=host-a:host-b", want: target.ExportConfig{Name: "v", Path: "/x", Allow: []string{"host-a", "host-b"}}},
+		{in: "v=/x,allow=", err: true},
+		{in: "v=/x,allow=a::b", err: true},
 	} {
 		got, err := target.ParseExport(c.in)
-		if (err != nil) != c.err || (err == nil && got != c.want) {
+		if (err != nil) != c.err || (err == nil && !reflect.DeepEqual(got, c.want)) {
 			t.Errorf("ParseExport(%q) = %+v, %v", c.in, got, err)
 		}
 	}
@@ -92,10 +98,12 @@ type env struct {
 	path string
 }
 
+// start serves content as the export "vol", shared (the tests of the
+// cache let several initiators write).
 func start(t *testing.T, ro bool, content []byte) *env {
 	t.Helper()
 	e, _ := startWith(t, content, target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, DrainTimeout: time.Second},
-		target.ExportConfig{ReadOnly: ro})
+		target.ExportConfig{ReadOnly: ro, Shared: !ro})
 	return e
 }
 
@@ -149,6 +157,9 @@ func (e *env) dial(mode protocol.Mode) (*client, error) {
 	}
 	e.t.Cleanup(func() { l.Close() })
 	c := &client{Link: l}
+	if _, err := auth.Initiate(ctx, l, "", nil); err != nil {
+		return nil, err
+	}
 	return c, l.Request(ctx, &protocol.Open{Mode: mode, Name: "vol"}, &c.info)
 }
 
@@ -315,6 +326,9 @@ func TestEvictionRevokes(t *testing.T) {
 	}
 	close(ready)
 	defer l.Close()
+	if _, err := auth.Initiate(ctx, l, "", nil); err != nil {
+		t.Fatal(err)
+	}
 	var info protocol.VolumeInfo
 	if err := l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol"}, &info); err != nil {
 		t.Fatal(err)

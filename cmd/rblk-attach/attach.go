@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/nbd"
@@ -33,8 +34,8 @@ func newRootCmd() *cobra.Command {
 
 type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
-	hostID, hostIDFile                                       string
-	readOnly, debug                                          bool
+	hostID, hostIDFile, secretFile                           string
+	readOnly, debug, takeover                                bool
 	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
 	dev                                                      deviceFlags // --device: see device.go
 }
@@ -68,6 +69,8 @@ first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
 	fl.StringVar(&f.hostID, "host-id", "", "this host's identity: a reconnect or a new attach with it fences the earlier session (default: read "+cli.DefaultHostIDFile+", created on first use)")
 	fl.StringVar(&f.hostIDFile, "host-id-file", cli.DefaultHostIDFile, "file holding the host ID when --host-id is not given")
+	fl.StringVar(&f.secretFile, "secret-file", "", "file holding this host's secret (mode 0600): authenticate with the target, both ways")
+	fl.BoolVar(&f.takeover, "takeover", false, "take an exclusive export over from the host that holds it read-write: the target fences that host first")
 	fl.DurationVar(&f.keepAlive, "keepalive-timeout", initiator.DefaultKeepAlive,
 		"a link to the target silent this long is declared dead and the reconnect path runs (probed after a third of it; 0: never)")
 	fl.DurationVar(&f.ioTimeout, "io-timeout", initiator.DefaultIOTimeout,
@@ -142,13 +145,20 @@ func attach(f attachFlags) error {
 	if err != nil {
 		return err
 	}
+	secret, err := readSecret(f.secretFile)
+	if err != nil {
+		return err
+	}
+	if f.takeover && f.readOnly {
+		return errors.New("--takeover is for read-write attaches: read-only ones are always shared")
+	}
 	keepAlive := f.keepAlive
 	if keepAlive == 0 {
 		keepAlive = -1 // the flag's 0 is "never"; the option's is "default"
 	}
 	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
 	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID,
-		ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
+		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
 		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg)})
 	ocancel()
 	if err != nil {
@@ -206,8 +216,20 @@ func reconnectOpt(d time.Duration) time.Duration {
 	return d
 }
 
+// readSecret reads --secret-file, if given.
+func readSecret(path string) ([]byte, error) {
+	if path == "" {
+		return nil, nil
+	}
+	s, err := auth.ReadSecret(path)
+	if err != nil {
+		return nil, fmt.Errorf("--secret-file: %w", err)
+	}
+	return s, nil
+}
+
 func newListCmd() *cobra.Command {
-	var target, transport string
+	var target, transport, hostID, hostIDFile, secretFile string
 	cmd := &cobra.Command{
 		Use:   "list --target HOST:PORT",
 		Short: "List a target's exports with size and mode",
@@ -220,9 +242,17 @@ func newListCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			id, err := cli.HostID(hostID, hostIDFile, zap.NewNop())
+			if err != nil {
+				return err
+			}
+			secret, err := readSecret(secretFile)
+			if err != nil {
+				return err
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 			defer cancel()
-			exports, err := initiator.List(ctx, p, target)
+			exports, err := initiator.List(ctx, p, target, id, secret)
 			if err != nil {
 				return err
 			}
@@ -240,6 +270,9 @@ func newListCmd() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&target, "target", "", "rblkd address HOST:PORT (required)")
 	cmd.Flags().StringVar(&transport, "transport", "auto", "transport: "+providers.Names)
+	cmd.Flags().StringVar(&hostID, "host-id", "", "this host's identity (default: read "+cli.DefaultHostIDFile+", created on first use)")
+	cmd.Flags().StringVar(&hostIDFile, "host-id-file", cli.DefaultHostIDFile, "file holding the host ID when --host-id is not given")
+	cmd.Flags().StringVar(&secretFile, "secret-file", "", "file holding this host's secret (mode 0600)")
 	return cmd
 }
 

@@ -2,18 +2,59 @@ package main
 
 import (
 	"fmt"
+	"net"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport/providers"
 )
 
-// DefaultListen is rblkd's default address: every interface, port 7480.
-const DefaultListen = ":7480"
+// DefaultListen is rblkd's default address: every interface, port 7480;
+// DefaultLoopbackListen is the default without authentication.
+const (
+	DefaultListen         = ":7480"
+	DefaultLoopbackListen = "127.0.0.1:7480"
+)
+
+// listenAddr picks the address to listen on. Without authentication it
+// must be a loopback address (or a unix socket's path), unless
+// allowUnauthenticated: secure by default, like Redis' protected mode.
+func listenAddr(listen string, authenticated, allowUnauthenticated bool) (string, error) {
+	if authenticated || allowUnauthenticated {
+		if listen == "" {
+			listen = DefaultListen
+		}
+		return listen, nil
+	}
+	if listen == "" {
+		return DefaultLoopbackListen, nil
+	}
+	if !isLoopback(listen) {
+		return "", fmt.Errorf("--listen %s is not a loopback address, and rblkd has no --auth-file: anyone who reaches it could open every export. "+
+			"Give --auth-file (see README, Security), or --allow-unauthenticated on a network you trust", listen)
+	}
+	return listen, nil
+}
+
+// isLoopback reports whether addr (HOST:PORT, or a unix socket's path)
+// can only be reached from this host.
+func isLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return !strings.Contains(addr, ":") // a unix socket's path; a bad address fails in Listen
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
 
 func newRootCmd() *cobra.Command {
 	root := &cobra.Command{
@@ -31,6 +72,10 @@ type serveFlags struct {
 	exports                               []string
 	cacheSize, chunkSize                  string
 	debug                                 bool
+	authFile, targetID                    string
+	allowUnauthenticated                  bool
+	maxSessions, maxSessionsPerHost       int
+	handshakeTimeout                      time.Duration
 
 	keepAlive, revokeTimeout, drainTimeout, drainLimit time.Duration
 }
@@ -38,21 +83,32 @@ type serveFlags struct {
 func newServeCmd() *cobra.Command {
 	var f serveFlags
 	cmd := &cobra.Command{
-		Use:   "serve --export NAME=PATH[,ro][,size=BYTES] ...",
+		Use:   "serve --export NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2] ...",
 		Short: "Serve volumes until SIGINT or SIGTERM",
 		Long: `Serve exports backing files (regular files or block devices) as volumes.
 
 Chunks of each volume are cached in rblkd's own registered memory (bounded by
 --cache-size) and granted to initiators, which read and write them with
 one-sided RDMA; rblkd writes dirty ranges back, flushes and trims.
-There is no authentication: listen only on a storage network you trust.`,
+With --auth-file every initiator proves its host's secret (and rblkd proves it
+back) before it may list or open anything. Without it rblkd serves only on
+loopback addresses, unless --allow-unauthenticated. RDMA payloads are never
+encrypted: use a storage network you trust.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return serve(f) },
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.listen, "listen", DefaultListen, "address to accept initiators on (HOST:PORT)")
+	fl.StringVar(&f.listen, "listen", "", "address to accept initiators on, HOST:PORT (default "+DefaultListen+
+		", or "+DefaultLoopbackListen+" without --auth-file and --allow-unauthenticated)")
+	fl.StringVar(&f.authFile, "auth-file", "", "file of \"HOST-ID SECRET\" lines (mode 0600): every initiator must authenticate")
+	fl.BoolVar(&f.allowUnauthenticated, "allow-unauthenticated", false, "serve non-loopback addresses without --auth-file: anyone who reaches the port may open every export")
+	fl.StringVar(&f.targetID, "target-id", "", "this target's name in the authentication (default: the host name)")
+	fl.IntVar(&f.maxSessions, "max-sessions", target.DefaultMaxSessions, "most initiator sessions at once")
+	fl.IntVar(&f.maxSessionsPerHost, "max-sessions-per-host", target.DefaultMaxSessionsPerHost, "most sessions of one host ID at once")
+	fl.DurationVar(&f.handshakeTimeout, "handshake-timeout", target.DefaultHandshakeTimeout, "close a connection that has not authenticated this long after it connected")
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
-	fl.StringArrayVar(&f.exports, "export", nil, "export NAME=PATH[,ro][,size=BYTES] (repeatable; size= creates a sparse file if PATH does not exist)")
+	fl.StringArrayVar(&f.exports, "export", nil, "export NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2] (repeatable; size= creates a sparse file "+
+		"if PATH does not exist; shared: several hosts may write at once; allow=: only these host IDs)")
 	fl.StringVar(&f.cacheSize, "cache-size", "256M", "registered memory for cached chunks (K, M, G suffixes)")
 	fl.StringVar(&f.chunkSize, "chunk-size", "1M", "unit of caching and granting, a power of two from 64K")
 	fl.DurationVar(&f.keepAlive, "keepalive-timeout", target.DefaultKeepAlive,
@@ -88,11 +144,28 @@ func serve(f serveFlags) error {
 	if err != nil {
 		return fmt.Errorf("--chunk-size: %w", err)
 	}
+	var keys *auth.Keys
+	if f.authFile != "" {
+		if keys, err = auth.LoadKeys(f.authFile); err != nil {
+			return fmt.Errorf("--auth-file: %w", err)
+		}
+	}
+	listen, err := listenAddr(f.listen, keys != nil, f.allowUnauthenticated)
+	if err != nil {
+		return err
+	}
 	log, err := cli.NewLogger(f.logFormat, f.debug)
 	if err != nil {
 		return err
 	}
 	defer log.Sync()
+	switch {
+	case keys != nil:
+		log.Info("authentication required", zap.String("auth_file", f.authFile), zap.Int("hosts", keys.Len()))
+	case f.allowUnauthenticated:
+		log.Warn("serving WITHOUT authentication (--allow-unauthenticated): anyone who reaches " + listen +
+			" may list, open and write every export not limited by allow=")
+	}
 	p, why, err := providers.Open(f.transport, log)
 	if err != nil {
 		return err
@@ -106,7 +179,8 @@ func serve(f serveFlags) error {
 	}
 	t, err := target.New(target.Options{Exports: exports, CacheSize: cacheSize, ChunkSize: int(chunkSize),
 		KeepAlive: keepAlive, RevokeTimeout: f.revokeTimeout, DrainTimeout: f.drainTimeout, DrainLimit: f.drainLimit,
-		Logger: log, Registerer: reg})
+		Auth: keys, TargetID: f.targetID, MaxSessions: f.maxSessions, MaxSessionsPerHost: f.maxSessionsPerHost,
+		HandshakeTimeout: f.handshakeTimeout, Logger: log, Registerer: reg})
 	if err != nil {
 		return err
 	}
@@ -116,10 +190,10 @@ func serve(f serveFlags) error {
 		return err
 	}
 	defer stopMetrics()
-	l, err := p.Listen(ctx, f.listen)
+	l, err := p.Listen(ctx, listen)
 	if err != nil {
 		t.Close()
-		return fmt.Errorf("--listen %s: %w", f.listen, err)
+		return fmt.Errorf("--listen %s: %w", listen, err)
 	}
 	if di, ok := l.(interface{ DeviceInfo() string }); ok {
 		why += ": " + di.DeviceInfo() // device, port, GID

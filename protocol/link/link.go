@@ -697,7 +697,7 @@ func (l *Link) complete(c *transport.Completion) {
 func isReply(t protocol.Type) bool {
 	switch t {
 	case protocol.TypeError, protocol.TypeExportList, protocol.TypeVolumeInfo, protocol.TypeGrant,
-		protocol.TypeRevokeAck, protocol.TypeOK:
+		protocol.TypeRevokeAck, protocol.TypeOK, protocol.TypeAuthChallenge, protocol.TypeAuthAccept:
 		return true
 	}
 	return false
