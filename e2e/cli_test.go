@@ -21,7 +21,7 @@ func TestList(t *testing.T) {
 		t.Fatal(err)
 	}
 	tg := startTarget(t, []string{"alpha=" + filepath.Join(dir, "alpha.img") + ",size=3M", "beta=" + beta + ",ro"})
-	r := mustRun(t, 30*time.Second, attachBin, "list", "--transport", "tcp", "--target", tg.addr)
+	r := mustRun(t, 30*time.Second, attachBin, "list", "--host-id", "e2e-cli", "--transport", "tcp", "--target", tg.addr)
 	rows := map[string][]string{}
 	for _, line := range strings.Split(strings.TrimSpace(r.stdout), "\n") {
 		f := strings.Fields(line)
@@ -150,7 +150,7 @@ func TestCLIErrors(t *testing.T) {
 			[]string{`"nope"`}},
 		{"rblk-attach target down", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "tcp", "--target", free, "--export", "vol", "--nbd-listen", "unix:" + sock},
 			[]string{free, "connection refused"}},
-		{"rblk-attach list target down", attachBin, []string{"list", "--transport", "tcp", "--target", free}, []string{"connection refused"}},
+		{"rblk-attach list target down", attachBin, []string{"list", "--host-id", "e2e-cli", "--transport", "tcp", "--target", free}, []string{"connection refused"}},
 		{"rblk-attach list no target", attachBin, []string{"list"}, []string{"--target"}},
 	}
 	// --transport rdma on a host without RDMA devices.
@@ -159,7 +159,7 @@ func TestCLIErrors(t *testing.T) {
 		cases = append(cases,
 			cliCase{"rblkd rdma without device", rblkdBin, []string{"serve", "--transport", "rdma", "--listen", free, "--export", "vol=" + img}, noDev},
 			cliCase{"rblk-attach rdma without device", attachBin, []string{"attach", "--host-id", "e2e-cli", "--transport", "rdma", "--target", tg.addr, "--export", "vol", "--nbd-listen", "unix:" + sock}, noDev},
-			cliCase{"rblk-attach list rdma without device", attachBin, []string{"list", "--transport", "rdma", "--target", tg.addr}, noDev},
+			cliCase{"rblk-attach list rdma without device", attachBin, []string{"list", "--host-id", "e2e-cli", "--transport", "rdma", "--target", tg.addr}, noDev},
 		)
 	} else {
 		t.Logf("this host has RDMA devices (%d in /sys/class/infiniband): not checking --transport rdma without one", len(ents))

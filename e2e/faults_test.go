@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/rblk/rblk/internal/faultproxy"
+	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
@@ -612,7 +613,7 @@ func TestFaultLinkResetLosesDone(t *testing.T) {
 func TestFaultLinkStall(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
-	tg := startTarget(t, []string{"vol=" + backing + ",size=4M"}, "--chunk-size", "64K")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=4M,shared"}, "--chunk-size", "64K")
 	px := startProxy(t, tg.addr)
 	flags := append(newFlags("--keepalive-timeout", "2s"), "--reconnect-timeout", "3s")
 	reader := startAttach(t, viaProxy(tg, px), "vol", flags...)
@@ -829,6 +830,9 @@ func (h *grantHog) session(ctx context.Context, p transport.Provider, addr, expo
 	lp.Store(l)
 	defer replies.Wait()
 	defer l.Close()
+	if _, err := auth.Initiate(ctx, l, "grant-hog", nil); err != nil {
+		return fmt.Errorf("grant hog: %w", err)
+	}
 	var info protocol.VolumeInfo
 	if err := l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: export}, &info); err != nil {
 		return fmt.Errorf("grant hog: open: %w", err)
@@ -867,7 +871,7 @@ func TestFaultGrantHog(t *testing.T) {
 	if err := os.WriteFile(backing, initial, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	tg := startTarget(t, []string{"vol=" + backing}, "--chunk-size", "64K", "--cache-size", "256K")
+	tg := startTarget(t, []string{"vol=" + backing + ",shared"}, "--chunk-size", "64K", "--cache-size", "256K")
 	hog := startGrantHog(t, tg.addr, "vol", chunk, 4)
 	at := startAttach(t, tg, "vol")
 	nc := dialNBD(t, at.sock, "vol")

@@ -30,7 +30,7 @@ func TestMalformedClient(t *testing.T) {
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	backing := filepath.Join(dir, "vol.img")
-	tg := startTarget(t, []string{"vol=" + backing + ",size=4M"}, "--chunk-size", "64K")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=4M,shared"}, "--chunk-size", "64K")
 	a := startAttach(t, tg, "vol")
 	qemuIO(t, a.uri("vol"), []qop{{kind: 'w', pattern: 0xa1, off: 0, n: 65536}, {kind: 'r', pattern: 0xa1, off: 0, n: 65536}})
 	waitMetric(t, tg.metrics, "rblkd_sessions", func(v float64) bool { return v == 1 }, "1 with one initiator")

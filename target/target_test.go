@@ -17,7 +17,6 @@ import (
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
-	"github.com/rblk/rblk/transport/tcp"
 	"github.com/rblk/rblk/transport/transporttest"
 )
 
@@ -124,9 +123,9 @@ func startWith(t *testing.T, content []byte, opts target.Options, export target.
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := tcp.New("tcp")
+	p, laddr := testProvider(t)
 	ctx, cancel := context.WithCancel(context.Background())
-	l, err := p.Listen(ctx, "127.0.0.1:0")
+	l, err := p.Listen(ctx, laddr)
 	if err != nil {
 		t.Fatal(err)
 	}
