@@ -115,7 +115,7 @@ func Initiate(ctx context.Context, l *link.Link, hostID string, secret []byte) (
 func refused(err error) error {
 	var re *protocol.RemoteError
 	if errors.As(err, &re) && re.Code == protocol.CodeAccess {
-		return fmt.Errorf("%w: target refused: %s", ErrFailed, re.Text)
+		return fmt.Errorf("%w: the target refused: %s", ErrFailed, strings.TrimPrefix(re.Text, "authentication: "))
 	}
 	return fmt.Errorf("authentication: %w", err)
 }
