@@ -71,6 +71,10 @@ install: build
 		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \
 		else install -m 0644 systemd/$$f.example $(DESTDIR)$(CONFDIR)/$$f; echo "installed $(DESTDIR)$(CONFDIR)/$$f"; fi; \
 	done
+	@# This host's identity (as nvme-cli's hostnqn): kept if it exists.
+	@if [ -e $(DESTDIR)$(CONFDIR)/hostid ]; then echo "keeping $(DESTDIR)$(CONFDIR)/hostid"; \
+	else cat /proc/sys/kernel/random/uuid > $(DESTDIR)$(CONFDIR)/hostid && chmod 0644 $(DESTDIR)$(CONFDIR)/hostid && \
+		echo "created $(DESTDIR)$(CONFDIR)/hostid: $$(cat $(DESTDIR)$(CONFDIR)/hostid)"; fi
 	@if [ -z "$(DESTDIR)" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "Edit $(CONFDIR)/rblkd.env, then: systemctl enable --now rblkd"
 	@echo "Per volume: $(CONFDIR)/attach-NAME.env, then: systemctl enable --now rblk-attach@NAME"

@@ -19,8 +19,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rblk/rblk/internal/faultproxy"
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/faultproxy"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
