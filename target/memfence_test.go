@@ -1,0 +1,210 @@
+package target_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/protocol/link"
+	"github.com/rblk/rblk/target"
+	"github.com/rblk/rblk/transport"
+)
+
+// Memory fencing: a grant's rkey reaches the cache only from the session
+// it was granted to, and only until it is revoked, its handle closed, its
+// session detached or taken over. Each case tries the stale rkey with an
+// RDMA WRITE, wants a remote access error, and checks through a fresh
+// grant that the chunk still holds what it held.
+
+const fenceChunk = 64 << 10
+
+func fenceContent() []byte {
+	b := make([]byte, 32*fenceChunk)
+	r := rand.New(rand.NewPCG(7, 7))
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+// grantOf asks c for a write grant of the chunk at off.
+func grantOf(t *testing.T, c *client, off uint64, write bool) protocol.Grant {
+	t.Helper()
+	var g protocol.Grant
+	req := &protocol.GrantRequest{Handle: c.info.Handle, Offset: off}
+	if write {
+		req.Flags = protocol.GrantWrite
+	}
+	if err := c.Request(context.Background(), req, &g); err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+// staleWriteFails does an RDMA WRITE through g on c and wants it refused
+// by the target's memory checks.
+func staleWriteFails(t *testing.T, c *client, g protocol.Grant, what string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := c.rdma(ctx, true, g, 0, bytes.Repeat([]byte("STALE!"), 100))
+	if !errors.Is(err, transport.ErrRemoteAccess) {
+		t.Fatalf("RDMA WRITE with the rkey %s: %v, want a remote access error", what, err)
+	}
+}
+
+// chunkHolds reads the chunk at off through a fresh session and grant and
+// compares it with want.
+func chunkHolds(t *testing.T, e *env, off uint64, want []byte) {
+	t.Helper()
+	c, err := e.openAs("checker", nil, protocol.ModeReadOnly, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	g := grantOf(t, c, off, false)
+	got := make([]byte, len(want))
+	if err := c.rdma(context.Background(), false, g, off-g.Offset, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("the chunk at %d changed: starts %q, want %q", off, got[:12], want[:12])
+	}
+}
+
+func fenceEnv(t *testing.T, shared bool) *env {
+	e, _ := startWith(t, fenceContent(), target.Options{CacheSize: 1 << 20, ChunkSize: fenceChunk}, target.ExportConfig{Shared: shared})
+	return e
+}
+
+func TestRKeyAfterClose(t *testing.T) {
+	e := fenceEnv(t, true)
+	c, err := e.openAs("host-a", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grantOf(t, c, 0, true)
+	// Written without a Done: Close must still leave cache and file alike.
+	if err := c.rdma(context.Background(), true, g, 0, []byte("before close")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Request(context.Background(), &protocol.Close{Handle: c.info.Handle}, &protocol.OK{}); err != nil {
+		t.Fatal(err)
+	}
+	staleWriteFails(t, c, g, "of a closed handle")
+	want := append([]byte("before close"), fenceContent()[12:fenceChunk]...)
+	chunkHolds(t, e, 0, want)
+	if err := e.tg.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if file := readFile(t, e.path); !bytes.Equal(file[:fenceChunk], want) {
+		t.Fatal("the file differs from the cache after Close: a write without a Done was lost")
+	}
+}
+
+func TestRKeyAfterRevoke(t *testing.T) {
+	e := fenceEnv(t, true)
+	revoked := make(chan uint64, 64)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var l *link.Link
+	ready := make(chan struct{})
+	l, err := link.Dial(ctx, e.p, e.addr, link.Options{Handler: func(h protocol.Header, p []byte) {
+		<-ready
+		var r protocol.Revoke
+		if h.Type != protocol.TypeRevoke || r.Unmarshal(p) != nil {
+			return
+		}
+		go func() {
+			if l.Send(context.Background(), h.Tag, &protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}) == nil {
+				revoked <- r.Offset
+			}
+		}()
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	close(ready)
+	defer l.Close()
+	if _, err := auth.Initiate(ctx, l, "host-a", nil); err != nil {
+		t.Fatal(err)
+	}
+	c := &client{Link: l}
+	if err := l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol"}, &c.info); err != nil {
+		t.Fatal(err)
+	}
+	g := grantOf(t, c, 0, true)
+	// Use more chunks than the cache holds: the oldest, chunk 0, goes.
+	for i := uint64(1); ; i++ {
+		grantOf(t, c, i%32*fenceChunk, false)
+		select {
+		case off := <-revoked:
+			if off != 0 {
+				continue
+			}
+		default:
+			if i > 1000 {
+				t.Fatal("chunk 0 was never revoked")
+			}
+			continue
+		}
+		break
+	}
+	staleWriteFails(t, c, g, "after its revoke")
+	chunkHolds(t, e, 0, fenceContent()[:fenceChunk])
+}
+
+// TestRKeyOfAnotherSession: a live session's rkey does not work from
+// another session, nor after its session detached.
+func TestRKeyOfAnotherSession(t *testing.T) {
+	e := fenceEnv(t, true)
+	a, err := e.openAs("host-a", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grantOf(t, a, 0, true)
+	thief, err := e.openAs("host-b", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	staleWriteFails(t, thief, g, "of another, live session")
+	a.Close() // detach
+	waitDown(t, a.Link, "detached session")
+	late, err := e.openAs("host-c", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	staleWriteFails(t, late, g, "of a detached session")
+	chunkHolds(t, e, 0, fenceContent()[:fenceChunk])
+}
+
+func TestRKeyAfterTakeover(t *testing.T) {
+	e := fenceEnv(t, false)
+	a, err := e.openAs("host-a", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grantOf(t, a, 0, true)
+	b, err := e.openAs("host-b", nil, protocol.ModeReadWrite, protocol.OpenTakeover)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitDown(t, a.Link, "the old holder")
+	staleWriteFails(t, b, g, "of the holder taken over")
+	chunkHolds(t, e, 0, fenceContent()[:fenceChunk])
+}
+
+func readFile(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
