@@ -51,6 +51,7 @@ trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
+go test -c -tags rdma -o "$art/target.test" ./target/
 : >"$art/env.sh"
 for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS; do
 	if [ -n "${!v:-}" ]; then

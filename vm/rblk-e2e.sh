@@ -35,6 +35,16 @@
 #              is up again no new RDMA CM connection gets through on this
 #              Soft-RoCE, not even between two rping processes; and
 #              nftables sees no RoCE packet, rxe loops them back itself.)
+#  security    over verbs: a wrong secret, an unknown host and a missing
+#              secret are refused (rblk-attach exits non-zero saying
+#              "authentication", rblkd logs and counts each); a second
+#              writing host is refused naming the holder; a takeover while
+#              the holder runs fio fences it (its rblk-attach exits
+#              "fenced", its fio fails) and the file then holds only the new
+#              holder's data; the target's own tests of authentication,
+#              access modes and memory fencing (an rkey after revoke, close,
+#              detach, takeover, or from another session: a remote access
+#              error and no change) run over verbs (target.test);
 #  dmesg       the guest's kernel log has no call trace, BUG, WARNING,
 #              blocked task, nbd I/O error or rxe/nbd/RDMA error (patterns
 #              below);
@@ -64,6 +74,23 @@ WORK=/tmp/rblk-e2e
 mkdir -p "$WORK/logs"
 export FIO_RUNTIME=${FIO_RUNTIME:-3} FIO_RAMP=${FIO_RAMP:-1} FIO_OUTDIR=$WORK/fio
 
+# Every rblkd authenticates its initiators (it refuses a non-loopback
+# address without): the host vm-host attaches with its secret; vm-other is
+# the second host of the security scenario. Secrets are random, in files
+# of mode 0600, never on a command line.
+AUTH_DIR=$WORK/auth
+mkdir -p "$AUTH_DIR"
+chmod 0700 "$AUTH_DIR"
+newsecret() { od -An -tx1 -N24 /dev/urandom | tr -d ' \n'; }
+(
+	umask 077
+	newsecret >"$AUTH_DIR/vm-host.secret"
+	newsecret >"$AUTH_DIR/vm-other.secret"
+	newsecret >"$AUTH_DIR/wrong.secret"
+	printf 'vm-host %s\nvm-other %s\n' "$(cat "$AUTH_DIR/vm-host.secret")" "$(cat "$AUTH_DIR/vm-other.secret")" >"$AUTH_DIR/auth"
+)
+HOST_ID=vm-host SECRET=$AUTH_DIR/vm-host.secret
+
 # ---------------------------------------------------------------------------
 # Helpers (a scenario runs in a subshell: its variables and pids stay there)
 # ---------------------------------------------------------------------------
@@ -79,10 +106,10 @@ serve() {
 	TGT=$IP:$port TM=127.0.0.1:$((port + 2000)) AM=127.0.0.1:$((port + 2100))
 	VOL=$WORK/$SCEN.img
 	"$BIN/rblkd" serve --transport "$TRANSPORT" --listen "$TGT" --export "vol=$VOL,size=${size}M" \
-		--metrics-listen "$TM" "$@" >"$LOGS/$log" 2>&1 &
+		--auth-file "$AUTH_DIR/auth" --target-id vm-target --metrics-listen "$TM" "$@" >"$LOGS/$log" 2>&1 &
 	RBLKD=$!
 	pids+=("$RBLKD")
-	wait_for 30 "$BIN/rblk-attach" list --target "$TGT" --transport "$TRANSPORT" ||
+	wait_for 30 "$BIN/rblk-attach" list --target "$TGT" --transport "$TRANSPORT" --host-id "$HOST_ID" --secret-file "$SECRET" ||
 		fail "rblkd ($log) does not answer on $TGT"
 	[ "$TRANSPORT" != rdma ] || grep -q '"transport": "rdma' "$LOGS/$log" || fail "rblkd is not on rdma"
 	echo "rblkd pid $RBLKD on $TGT: $* (volume ${size} MiB)"
@@ -113,13 +140,14 @@ free_nbd() {
 }
 
 # attach LOG SIZE_MB ARGS...: rblk-attach --device (first free /dev/nbdN) in
-# the background; sets APID and DEV once the device has the volume's size.
+# the background, as host HOST_ID with its SECRET; sets APID and DEV once
+# the device has the volume's size.
 attach() {
 	local log=$1 size=$(($2 << 20)) deadline rc
 	shift 2
 	DEV=$(free_nbd) || fail "no free /dev/nbdN"
 	"$BIN/rblk-attach" attach --target "$TGT" --export vol --transport "$TRANSPORT" \
-		--device "$DEV" --metrics-listen "$AM" "$@" >"$LOGS/$log" 2>&1 &
+		--host-id "$HOST_ID" --secret-file "$SECRET" --device "$DEV" --metrics-listen "$AM" "$@" >"$LOGS/$log" 2>&1 &
 	APID=$!
 	pids+=("$APID")
 	deadline=$(($(date +%s) + 60))
@@ -462,6 +490,69 @@ DMESG_FATAL='Call Trace|BUG:|kernel BUG|WARNING:|blocked for more than|hung_task
 DMESG_DRIVER='(rxe|rdma|infiniband|ib_|nbd|nvme).*(err|fail|warn|timeout|timed out|stuck|abort|reset)'
 DMESG_ALLOW='^$'
 DMESG_ALLOW_VERBS='rxe[0-9]+: qp#[0-9]+ (make_send_cqe|do_complete): non-flush error status = [0-9]+$'
+# refused LOG WANT ARGS...: rblk-attach ARGS must fail at once, its output
+# naming WANT (grep -E).
+refused() {
+	local log=$1 want=$2 rc=0
+	shift 2
+	timeout 30 "$BIN/rblk-attach" "$@" >"$LOGS/$log" 2>&1 || rc=$?
+	[ "$rc" != 0 ] && [ "$rc" != 124 ] || fail "rblk-attach $* exited $rc, want a refusal"
+	grep -qE -- "$want" "$LOGS/$log" || fail "rblk-attach $*: no '$want' in: $(tail -n 3 "$LOGS/$log")"
+	echo "refused as expected: $(grep -m1 '^rblk-attach:' "$LOGS/$log")"
+}
+
+scen_security() {
+	local size=64 n d
+	serve rblkd.log 7496 $size
+	step "authentication over $TRANSPORT: wrong secret, unknown host, missing secret"
+	d=$(free_nbd)
+	refused wrong.log 'authentication.*wrong secret for host "vm-host"' attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+		--host-id vm-host --secret-file "$AUTH_DIR/wrong.secret" --device "$d"
+	refused unknown.log 'authentication.*unknown host "vm-stranger"' attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+		--host-id vm-stranger --secret-file "$SECRET" --device "$d"
+	refused missing.log 'authentication.*gave no secret' attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+		--host-id vm-host --device "$d"
+	n=$(grep -c 'authentication refused' "$LOGS/rblkd.log" || true)
+	[ "$n" = 3 ] || fail "rblkd logged $n authentication refusals, want 3"
+	[ "$(m 'rblkd_auth_failures_total{reason="wrong_secret"}')" = 1 ] || fail "wrong secret not counted"
+	if grep -qF -f "$AUTH_DIR/vm-host.secret" "$LOGS"/*.log; then fail "a secret appears in a log"; fi
+
+	step "one writer: a second host is refused; a takeover under fio fences the holder"
+	attach holder.log $size
+	local dev_a=$DEV apid_a=$APID
+	fio --name=holder --filename="$dev_a" --ioengine=libaio --direct=1 --rw=randwrite --bs=64k --iodepth=8 \
+		--time_based --runtime=60 --buffer_pattern=0x41 --output="$LOGS/fio-holder.log" >/dev/null 2>&1 &
+	local fio_pid=$!
+	pids+=("$fio_pid")
+	wait_for 30 at_least "$TM" rblkd_written_bytes_total $((4 << 20)) || fail "the holder's fio wrote nothing"
+	refused second.log 'held read-write by host "vm-host"' attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+		--host-id vm-other --secret-file "$AUTH_DIR/vm-other.secret" --device "$(free_nbd)"
+	AM=127.0.0.1:9797 HOST_ID=vm-other SECRET=$AUTH_DIR/vm-other.secret attach taker.log $size --takeover
+	local dev_b=$DEV apid_b=$APID
+	wait_exit_rc() { local rc=0; wait "$1" || rc=$?; echo "$rc"; }
+	wait_for 30 no_children "$apid_a" || fail "the fenced holder's rblk-attach still runs"
+	[ "$(wait_exit_rc "$apid_a")" != 0 ] || fail "the fenced holder's rblk-attach exited 0"
+	grep -q 'took export .*vol.* over' "$LOGS/holder.log" || fail "the holder's log does not say it was fenced: $(tail -n 3 "$LOGS/holder.log")"
+	wait_for 60 no_children "$fio_pid" || fail "the fenced holder's fio still runs"
+	[ "$(wait_exit_rc "$fio_pid")" != 0 ] || grep -q 'err=' "$LOGS/fio-holder.log" || fail "the fenced holder's fio saw no error"
+	[ "$(m rblkd_takeovers_total)" = 1 ] || fail "takeover not counted"
+	# The new holder writes the whole volume, and detaches (flush).
+	head -c $((size << 20)) /dev/zero | tr '\0' 'B' | dd of="$dev_b" bs=1M oflag=direct status=none || fail "write on the new holder"
+	DEV=$dev_b APID=$apid_b detach
+	stop_rblkd
+	cmp -n $((size << 20)) <(head -c $((size << 20)) /dev/zero | tr '\0' 'B') "$VOL" ||
+		fail "the file holds bytes the new holder did not write: the fenced holder's writes landed"
+	echo "the file holds only the new holder's data"
+
+	if [ -x "$BIN/target.test" ] && [ "$TRANSPORT" = rdma ]; then
+		step "the target's tests of authentication, access modes and memory fencing over $RXE"
+		RBLK_TARGET_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP "$BIN/target.test" -test.v -test.count=1 -test.timeout=5m \
+			-test.run 'RKey|Takeover|Auth|Handshake|OneWriter|AllowList|SessionLimits|Reinstatement' >"$LOGS/target-test.log" 2>&1 ||
+			fail "target tests over verbs: $(grep -E -- '--- FAIL|panic|_test.go' "$LOGS/target-test.log" | head -n 20)"
+		grep -E -- '^--- (PASS|SKIP)' "$LOGS/target-test.log"
+	fi
+}
+
 scen_dmesg() {
 	local f name allow bad found=
 	for f in "$WORK"/logs/*/kernel.log; do
@@ -523,6 +614,7 @@ rxe_snap boot
 mkdir -p "$WORK/logs/boot"
 dmesg >"$WORK/logs/boot/kernel.log"
 if [ -x "$BIN/rdma.test" ]; then scenario verbs scen_verbs; fi
+scenario security scen_security
 scenario basic scen_basic
 scenario small-cache scen_small_cache
 scenario chunk-64k scen_chunk_64k
