@@ -22,6 +22,10 @@
 //	initiator                                               target
 //	 connect, private data Hello  ------------------------->
 //	                              <-------------------------  accept, private data Hello
+//	 AuthStart{"host-a", Ci}      ------------------------->
+//	                              <-------------------------  AuthChallenge{"tgt", Ct, required}
+//	 AuthResponse{Pi}             ------------------------->  checks Pi
+//	                              <-------------------------  AuthAccept{Pt}
 //	 ListExports                  ------------------------->
 //	                              <-------------------------  ExportList
 //	 Open{read-write, "vol0",     ------------------------->  fences earlier sessions
@@ -48,8 +52,19 @@
 //     calls Negotiate with its own Hello and the peer's. Hello is always framed
 //     as version 1 with credits and tag 0, and must fit the 56 bytes of private
 //     data (it takes 40).
+//   - AuthStart is the first request of every session; the target refuses
+//     anything else before the exchange ends (an Error with CodeAccess,
+//     then it closes the connection). It names the host and brings the
+//     initiator's challenge; AuthChallenge brings the target's, and says
+//     whether the target authenticates (AuthRequired). If it does, the
+//     initiator answers with its proof (AuthResponse) and checks the
+//     target's (AuthAccept); package auth computes and checks the proofs.
+//     A target without keys ends the exchange at AuthChallenge.
 //   - ListExports returns every export, its size and flags, in one ExportList.
-//   - Open opens an export read-only or read-write; VolumeInfo gives the handle
+//   - Open opens an export read-only or read-write (an export may allow only
+//     some hosts: CodeAccess; a read-write export has one writing host at a
+//     time unless shared: CodeBusy, or with OpenTakeover the holder is
+//     fenced first); VolumeInfo gives the handle
 //     that names it in the connection's later requests, its size, its logical
 //     block size, its chunk size and the session's generation.
 //   - Sessions are reinstated by host ID. Open carries the initiator's stable
@@ -272,13 +287,13 @@
 //	9+len    4     flags: VolumeFlags
 //
 // Open (5), 8 bytes, the name and the host ID. Mode is ModeReadOnly (0) or
-// ModeReadWrite (1); the name, 1 to MaxNameLen bytes of UTF-8 without NUL;
+// ModeReadWrite (1); flags: OpenTakeover (1, read-write only); the name, 1 to MaxNameLen bytes of UTF-8 without NUL;
 // the host ID, 0 to MaxNameLen bytes of UTF-8 without NUL (0: anonymous). The
 // host ID follows the name without padding.
 //
 //	    0       1       2       3       4       5       6       7
 //	  +-------+-------+---------------+---------------+---------------+
-//	0 | mode  | rsvd  |   name len    |  host ID len  |   reserved    |
+//	0 | mode  | flags |   name len    |  host ID len  |   reserved    |
 //	  +-------+-------+---------------+---------------+---------------+
 //	8 | name (name len bytes), then host ID (host ID len bytes)       ~
 //	  +---------------------------------------------------------------+
@@ -384,4 +399,21 @@
 //	   +---------------------------------------------------------------+
 //	16 |                            length                             |
 //	   +---------------------------------------------------------------+
+//
+// AuthStart (19) and AuthChallenge (20), 40 bytes and the identity (the
+// host ID, 0 to MaxNameLen bytes; the target ID, the same). Flags:
+// AuthHaveSecret (1) in AuthStart, AuthRequired (1) in AuthChallenge. The
+// challenge is ChallengeSize random bytes.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------+-------+---------------+-------------------------------+
+//	0 | flags | rsvd  | identity len  |           reserved            |
+//	  +-------+-------+---------------+-------------------------------+
+//	8 | challenge (32 bytes)                                          ~
+//	  +---------------------------------------------------------------+
+//	40| identity (identity len bytes)                                 ~
+//	  +---------------------------------------------------------------+
+//
+// AuthResponse (21) and AuthAccept (22), 32 bytes: the proof, an
+// HMAC-SHA256 (see package auth).
 package protocol
