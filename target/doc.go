@@ -13,6 +13,13 @@
 //
 // The target's work is what only it can do:
 //
+//   - admit: every session authenticates first (Options.Auth: a mutual
+//     challenge-response, see package auth; without it the host names
+//     itself), within Options.HandshakeTimeout and the session limits;
+//     an export may allow only some hosts (ExportConfig.Allow), and has one
+//     writing host at a time unless Shared: another host's read-write Open
+//     fails with ErrBusy naming the holder, or, with OpenTakeover, fences
+//     the holder first;
 //   - load chunks on demand, and evict the least recently granted one when
 //     the cache is full: it first revokes every grant of the chunk (the
 //     initiator acknowledges once it no longer uses it, after its last Done),
@@ -28,7 +35,8 @@
 //   - fence: a read-write Open with a host ID first fences every earlier
 //     session of that host ID and export (grants deregistered, handle stale,
 //     connection closed, requests finished); Done and Flush name the
-//     session's generation;
+//     session's generation. A grant dies with its revoke, its handle's
+//     Close, and its session's end or fence: its rkey then reaches nothing;
 //   - keep sessions honest: a silent initiator is dropped (KeepAlive), one
 //     that holds more than its share of the cache evicts its own chunks and
 //     gets less time to answer a revoke, one that does not answer is dropped
