@@ -32,11 +32,11 @@ type chunkKey struct {
 	idx uint64
 }
 
-// holder is one session's grant of a chunk: the chunk's memory registered
-// on that session's connection.
+// holder is one session's grant of a chunk: a key to the chunk's memory
+// that works only through that session's connection.
 type holder struct {
 	handle uint32
-	region transport.Region
+	key    grantKey
 }
 
 // chunk is one cached, registered chunk of a volume.
@@ -402,7 +402,7 @@ func (c *cache) dropHolder(ch *chunk, s *session) {
 		return
 	}
 	s.held.Add(-1)
-	if err := h.region.Deregister(); err != nil {
+	if err := h.key.release(); err != nil {
 		c.m.errors.WithLabelValues("deregister").Inc()
 		c.log.Error("deregister a chunk's grant failed: its cache slot is taken out of use",
 			zap.Uint64("session", s.id), zap.Uint64("offset", ch.off), zap.Error(err))
@@ -423,7 +423,7 @@ func (c *cache) dropHolderLost(ch *chunk, s *session) {
 	c.mu.Lock()
 	h, ok := ch.holders[s]
 	c.mu.Unlock()
-	if ok && h.region.Access()&transport.AccessRemoteWrite != 0 {
+	if ok && h.key.Access()&transport.AccessRemoteWrite != 0 {
 		ch.markDirty(0, uint64(len(ch.buf)))
 		ch.key.vol.markDirty(ch)
 	}
@@ -586,7 +586,7 @@ func (c *cache) close(vols []*volume) error {
 	c.mu.Lock()
 	for _, ch := range c.chunks {
 		for s, h := range ch.holders {
-			h.region.Deregister()
+			h.key.release()
 			delete(ch.holders, s)
 		}
 	}

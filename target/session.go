@@ -67,6 +67,12 @@ type session struct {
 	// Target.perHost, if counted (Target.mu).
 	countedHost string
 	counted     bool
+
+	// Memory windows (grantkey.go): the cache's registration on this
+	// connection (regMu), and whether the connection lacks windows.
+	regMu     sync.Mutex
+	cacheReg  transport.Region
+	noWindows atomic.Bool
 }
 
 // penalized reports whether the session's host was recently dropped for
@@ -307,22 +313,22 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 	c.mu.Lock()
 	hd, held := ch.holders[s]
 	c.mu.Unlock()
-	if !held || (ov.writable && hd.region.Access()&transport.AccessRemoteWrite == 0) {
+	if !held || (ov.writable && hd.key.Access()&transport.AccessRemoteWrite == 0) {
 		access := transport.AccessRemoteRead
 		if ov.writable {
 			access |= transport.AccessLocalWrite | transport.AccessRemoteWrite
 		}
-		region, err := s.link.Conn().Register(ch.buf, access)
+		key, err := s.grantKeyFor(s.ctx, ch, access)
 		if err != nil {
-			return fmt.Errorf("register chunk: %w", err)
+			return err
 		}
 		c.mu.Lock()
 		old, had := ch.holders[s]
-		hd = holder{handle: m.Handle, region: region}
+		hd = holder{handle: m.Handle, key: key}
 		ch.holders[s] = hd
 		c.mu.Unlock()
 		if had {
-			if err := old.region.Deregister(); err != nil {
+			if err := old.key.release(); err != nil {
 				// The read-only registration stays reachable: keep the
 				// slot out of use, as dropHolder does.
 				c.m.errors.WithLabelValues("deregister").Inc()
@@ -347,9 +353,9 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		}
 		s.t.m.grants.Inc()
 	}
-	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.region.Addr(), RKey: hd.region.RKey(),
+	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.key.Addr(), RKey: hd.key.RKey(),
 		Length: uint32(len(ch.buf)), Generation: ch.gen}
-	if hd.region.Access()&transport.AccessRemoteWrite != 0 {
+	if hd.key.Access()&transport.AccessRemoteWrite != 0 {
 		g.Flags = protocol.GrantWrite
 	}
 	s.reply(tag, g)
@@ -571,6 +577,7 @@ func (s *session) end() {
 	for _, ov := range handles {
 		s.t.forget(s, ov)
 	}
+	s.releaseCacheRegion()
 	if opened {
 		s.t.cache.sessions.Add(-1)
 	}
