@@ -109,6 +109,20 @@ type WindowBinder interface {
 	BindWindow(ctx context.Context, r Region, off, length int, access Access) (Window, error)
 }
 
+// WindowSpanChecker is implemented by a WindowBinder that tells whether its
+// device holds the peer's operations through a window to the window's
+// span.
+type WindowSpanChecker interface {
+	// WindowSpanChecked is false when the device checks the peer's
+	// operations through a window against the window's region only
+	// (Soft-RoCE, rxe, does): the window's rkey then reaches its whole
+	// region, within the window's rights and until it is invalidated. A
+	// caller that must confine a peer to the span binds windows over
+	// regions that hold no more than that (a region per chunk, registered
+	// once).
+	WindowSpanChecked() bool
+}
+
 // Window is a span of a registered region that the peer may reach through
 // one connection until it is invalidated.
 type Window interface {

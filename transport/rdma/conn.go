@@ -143,17 +143,20 @@ type conn struct {
 	regClosed bool
 
 	// Memory windows (window.go).
-	mwSupported atomic.Bool   // the device has type-2 windows
-	mwSem       chan struct{} // a token per slot in use
-	mwMu        sync.Mutex    // after regMu and sq.mu
-	mwOps       [windowSlots]*mwOp
-	mwGen       uint64
-	mwOut       int // requests posted, completion not polled
-	mwFree      []*verbs.MW
-	mwLeaked    []*verbs.MW // ibv_dealloc_mw failed; teardown tries again
-	mwAllocated int
-	mwClosed    bool
-	windows     map[*window]struct{} // not dead
+	mwSupported atomic.Bool // the device has type-2 windows
+	// mwSpanChecked: the device checks the peer's requests on a window
+	// against the window's span (rxe does not: against its MR's).
+	mwSpanChecked bool
+	mwSem         chan struct{} // a token per slot in use
+	mwMu          sync.Mutex    // after regMu and sq.mu
+	mwOps         [windowSlots]*mwOp
+	mwGen         uint64
+	mwOut         int // requests posted, completion not polled
+	mwFree        []*verbs.MW
+	mwLeaked      []*verbs.MW // ibv_dealloc_mw failed; teardown tries again
+	mwAllocated   int
+	mwClosed      bool
+	windows       map[*window]struct{} // not dead
 }
 
 var _ transport.Conn = (*conn)(nil)
@@ -197,6 +200,7 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	}
 	c.tryCQ = c.tryCQEvent
 	c.initWindows(mwSlots > 0)
+	c.mwSpanChecked = attr.VendorID != rxeVendorID
 	c.sq.ents = make([]entry, sqDepth)
 	c.rq.ents = make([]entry, rqDepth)
 	defer func() {
@@ -1143,12 +1147,14 @@ func (c *conn) teardown() {
 
 // destroyVerbs destroys the verbs resources of newConn, in order.
 func (c *conn) destroyVerbs() {
+	// The memory windows go first: a bound type-2 window holds a reference
+	// on its QP (rxe waits for it in the QP's destroy, and warns after a
+	// minute), and a device refuses to deregister an MR with windows
+	// bound. The QP is in the error state by now: it executes nothing.
+	c.destroyWindows()
 	if c.qp != nil {
 		c.qp.Destroy()
 	}
-	// The windows go before the regions: a device refuses to deregister
-	// an MR with windows bound.
-	c.destroyWindows()
 	if c.cq != nil {
 		c.cq.AckEvents(c.unacked)
 		c.unacked = 0

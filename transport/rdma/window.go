@@ -42,6 +42,16 @@ const (
 	mwBit = 1 << 62
 )
 
+// rxeVendorID is the vendor_id of Soft-RoCE (rxe) devices.
+const rxeVendorID = 0xffffff
+
+// WindowSpanChecked reports whether the device checks the peer's requests
+// through a window against the window's span. Soft-RoCE does not: its
+// responder checks them against the window's MR, so a window reaches the
+// whole region it was bound over (checked on 6.1, and the code is the same
+// in later kernels).
+func (c *conn) WindowSpanChecked() bool { return c.mwSpanChecked }
+
 // winState is where a window is in its life (c.mwMu).
 type winState uint8
 

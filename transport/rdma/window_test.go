@@ -20,6 +20,7 @@ func fakeWindowConn(t *testing.T, mw bool) (*conn, *region) {
 	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 4, FailSendAt: -1, FailRecvAt: -1, Record: 256, MW: mw}, 8, 8)
 	c.pd = c.qp.FakePD()
 	c.initWindows(true)
+	c.mwSpanChecked = true
 	t.Cleanup(c.destroyWindows) // (before the QP's cleanup frees the fake)
 	mem, err := transport.AllocMemory(1<<20, false)
 	if err != nil {

@@ -160,3 +160,6 @@ func (c *conn) WindowStats() (live, allocated int) {
 	defer c.regMu.RUnlock()
 	return len(c.windows), len(c.windows)
 }
+
+// WindowSpanChecked is true: a window's key reaches its span only.
+func (c *conn) WindowSpanChecked() bool { return true }

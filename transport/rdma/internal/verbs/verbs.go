@@ -968,6 +968,8 @@ type DeviceAttr struct {
 	MemWindowType2 bool
 	// MaxMW is the most memory windows the device has (max_mw).
 	MaxMW int
+	// VendorID is vendor_id (0xffffff for Soft-RoCE).
+	VendorID uint32
 }
 
 // QueryDevice is ibv_query_device.
@@ -985,6 +987,7 @@ func (c *Context) QueryDevice() (DeviceAttr, error) {
 		MaxMRSize:       uint64(a.max_mr_size),
 		MemWindowType2:  a.device_cap_flags&(C.IBV_DEVICE_MEM_WINDOW_TYPE_2A|C.IBV_DEVICE_MEM_WINDOW_TYPE_2B) != 0,
 		MaxMW:           int(a.max_mw),
+		VendorID:        uint32(a.vendor_id),
 	}, nil
 }
 
