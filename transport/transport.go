@@ -94,11 +94,33 @@ type WindowBinder interface {
 	//
 	// It returns once the bind has completed. On verbs the bind is a
 	// send-queue work request whose completion only Poll reaps (and never
-	// returns), so another goroutine must be polling the Conn. It fails
-	// with ErrUnsupported when the device has no type-2 memory windows,
-	// with ErrClosed on a broken connection and with ctx.Err() when ctx
-	// ends first (the window is then invalidated before it returns).
+	// returns), so another goroutine must be polling the Conn; the bind
+	// and invalidate requests have send-queue room of their own and take
+	// none of SendQueueDepth. It fails with ErrUnsupported when the device
+	// has no type-2 memory windows, with ErrClosed on a broken connection
+	// and with ctx.Err() when ctx ends first. In that last case no window
+	// is handed out and its rkey was never returned, but the bind may
+	// still be in flight: the provider invalidates the window as soon as
+	// the bind completes (or the connection closes) and keeps its memory
+	// window out of reuse until then.
+	//
+	// A failed bind or invalidate request breaks the connection, like any
+	// failed work request: BindWindow checks what it can before posting.
 	BindWindow(ctx context.Context, r Region, off, length int, access Access) (Window, error)
+}
+
+// WindowSpanChecker is implemented by a WindowBinder that tells whether its
+// device holds the peer's operations through a window to the window's
+// span.
+type WindowSpanChecker interface {
+	// WindowSpanChecked is false when the device checks the peer's
+	// operations through a window against the window's region only
+	// (Soft-RoCE, rxe, does): the window's rkey then reaches its whole
+	// region, within the window's rights and until it is invalidated. A
+	// caller that must confine a peer to the span binds windows over
+	// regions that hold no more than that (a region per chunk, registered
+	// once).
+	WindowSpanChecked() bool
 }
 
 // Window is a span of a registered region that the peer may reach through
@@ -113,13 +135,26 @@ type Window interface {
 	Access() Access
 	// Invalidate revokes the window: once it returns nil, the peer's
 	// operations that name its rkey fail with StatusRemoteAccessError (and
-	// break the connection). Operations already executed are not undone.
+	// break the connection), and none of its operations through the
+	// window still reads or writes the memory. Operations already
+	// executed are not undone.
+	//
 	// On a broken or closed connection the window died with it and
-	// Invalidate returns nil. If it fails, the error matches
-	// ErrDeregisterFailed and the peer may still reach the memory: the
-	// caller must not reuse it for other data until a later Invalidate
-	// succeeds or the Conn is closed. Safe to call twice; like BindWindow
-	// it needs the Conn to be polled.
+	// Invalidate returns nil: a type-2 window is reachable only through
+	// its queue pair, and a queue pair in the error state executes
+	// nothing more (it never leaves that state; it is only destroyed).
+	//
+	// If it fails, the error matches ErrDeregisterFailed and the peer may
+	// still reach the memory: the caller must not reuse it for other data
+	// until a later Invalidate succeeds or the Conn is closed. That is
+	// the case when ctx ends before the invalidation completed on verbs
+	// (the error then also matches ctx.Err()); the software provider
+	// instead breaks the connection to end a peer's request stalled on
+	// the window, and returns nil. Safe to call twice; like BindWindow it
+	// needs the Conn to be polled.
+	//
+	// Deregistering the window's region, or closing the Conn, kills the
+	// window as well.
 	Invalidate(ctx context.Context) error
 }
 
@@ -288,7 +323,9 @@ type Conn interface {
 	// Register registers buf, which the caller owns and which must stay
 	// allocated until the region is deregistered. Providers that hand memory
 	// to hardware require buf to come from AllocMemory (outside the Go heap).
-	// A region of one Conn cannot be used through another Conn.
+	// A region of one Conn cannot be used through another Conn. Memory
+	// that is a mapping of a file is refused with an error matching
+	// ErrFileMapping (see CheckNotFileMapping).
 	Register(buf []byte, access Access) (Region, error)
 
 	// PostSend queues work requests in order. It does not wait for them:
@@ -403,8 +440,13 @@ var (
 	ErrRemoteAccess = errors.New("transport: remote access error")
 	// ErrNoDevice is returned by providers that need hardware when none exists.
 	ErrNoDevice = errors.New("transport: no RDMA device")
-	// ErrUnsupported is returned by a provider built without its dependencies.
+	// ErrUnsupported is returned by a provider built without its
+	// dependencies, and by an optional feature (WindowBinder.BindWindow)
+	// that the device lacks.
 	ErrUnsupported = errors.New("transport: provider not supported in this build")
+	// ErrFileMapping matches the error of Register for memory that is a
+	// mapping of a file: see CheckNotFileMapping.
+	ErrFileMapping = errors.New("transport: memory is a file mapping")
 	// ErrDeviceRemoved is returned by a Listener's Accept, and reported by
 	// the Poll of a connection, when the RDMA device they use was removed
 	// (RDMA_CM_EVENT_DEVICE_REMOVAL). It is not ErrClosed: a server's

@@ -9,7 +9,10 @@
 # one is reported and the next ones still run (on the next free /dev/nbdN if
 # the failed one left its device behind):
 #
-#  verbs       the verbs provider's own tests (rdma.test, if present);
+#  verbs       the verbs provider's own tests (rdma.test, if present), the
+#              device's memory window caps, and the cost of a grant:
+#              Register+Deregister vs BindWindow+Invalidate of 1 MiB
+#              (logs/verbs/grant-cost.txt);
 #  basic       rblkd --transport rdma on Soft-RoCE (rxe0, 192.0.2.1) with a
 #              cache that holds the volume, rblk-attach --device /dev/nbd0;
 #              ext4 with files and checksums, e2fsck of the backing file, a
@@ -284,6 +287,40 @@ scen_verbs() {
 	grep -- '--- SKIP' "$LOGS/rdma-test.log" || true
 	# With a device, the conformance suite must have run, not skipped.
 	[ "$passed" -ge 20 ] || fail "transport/rdma: only $passed tests passed: did the suite skip?"
+
+	step "type-2 memory windows on $RXE"
+	local caps wpassed
+	ibv_devinfo -v -d "$RXE" >"$LOGS/ibv_devinfo.txt" 2>&1 || true
+	caps=$(grep -oE 'MEM_WINDOW[A-Z0-9_]*' "$LOGS/ibv_devinfo.txt" | sort -u | tr '\n' ' ' || true)
+	echo "device_cap_flags: ${caps:-no MEM_WINDOW flag}; $(grep -E '^\s*max_mw:' "$LOGS/ibv_devinfo.txt" | tr -s ' \t' ' ')"
+	wpassed=$(grep -cE -- '--- PASS: .*/Window' "$LOGS/rdma-test.log" || true)
+	echo "$wpassed memory window tests and subtests passed"
+	if grep -q 'WINDOW SPANS NOT CHECKED' "$LOGS/rdma-test.log"; then
+		echo "NOTE: $RXE does not hold the peer's requests through a window to the window's span (only to its MR's): $(grep -c 'WINDOW SPANS NOT CHECKED' "$LOGS/rdma-test.log") out-of-span cases not run"
+	fi
+	if grep -qE -- '--- SKIP: .*/Window' "$LOGS/rdma-test.log"; then
+		grep -E 'MEMORY WINDOWS UNSUPPORTED|SKIP: ' "$LOGS/rdma-test.log" | sort | uniq -c | head -n 5
+		[[ "$caps" != *TYPE_2* ]] || fail "$RXE has type-2 memory windows, yet the window tests skipped"
+	fi
+
+	# The cost of a grant: a registration per chunk and grant (before),
+	# a memory window bound and invalidated over memory registered once.
+	step "grant cost: Register+Deregister vs BindWindow+Invalidate of 1 MiB"
+	RBLK_RDMA_ADDR=$IP "$BIN/rdma.test" -test.run '^$' -test.bench '^BenchmarkGrant(Register|Window)$' \
+		-test.benchtime "${GRANT_BENCHTIME:-2s}" >"$LOGS/grant-bench.log" 2>&1 ||
+		fail "grant benchmarks: $(tail -n 20 "$LOGS/grant-bench.log")"
+	grep -E '^(Benchmark|goos|cpu)|SKIP' "$LOGS/grant-bench.log" || true
+	local reg win
+	reg=$(awk '$1 ~ /^BenchmarkGrantRegister/ { print $3 }' "$LOGS/grant-bench.log")
+	win=$(awk '$1 ~ /^BenchmarkGrantWindow/ { print $3 }' "$LOGS/grant-bench.log")
+	if [ -z "$reg" ] || [ -z "$win" ]; then
+		[[ "$caps" != *TYPE_2* ]] || fail "grant benchmarks: no figures ($(grep -c . "$LOGS/grant-bench.log") lines)"
+		echo "grant cost: register ${reg:-?} ns, window: none (no memory windows)" | tee "$LOGS/grant-cost.txt"
+		return 0
+	fi
+	awk -v r="$reg" -v w="$win" -v k="$(uname -r)" 'BEGIN {
+		printf "grant cost (kernel %s, rxe, 1 MiB): register %.1f µs, window %.1f µs (%.1fx)\n", k, r / 1000, w / 1000, r / w
+	}' | tee "$LOGS/grant-cost.txt"
 }
 
 scen_basic() {

@@ -141,6 +141,22 @@ type conn struct {
 	regMu     sync.Mutex
 	regions   map[*region]struct{}
 	regClosed bool
+
+	// Memory windows (window.go).
+	mwSupported atomic.Bool // the device has type-2 windows
+	// mwSpanChecked: the device checks the peer's requests on a window
+	// against the window's span (rxe does not: against its MR's).
+	mwSpanChecked bool
+	mwSem         chan struct{} // a token per slot in use
+	mwMu          sync.Mutex    // after regMu and sq.mu
+	mwOps         [windowSlots]*mwOp
+	mwGen         uint64
+	mwOut         int // requests posted, completion not polled
+	mwFree        []*verbs.MW
+	mwLeaked      []*verbs.MW // ibv_dealloc_mw failed; teardown tries again
+	mwAllocated   int
+	mwClosed      bool
+	windows       map[*window]struct{} // not dead
 }
 
 var _ transport.Conn = (*conn)(nil)
@@ -158,11 +174,16 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 		return nil, err
 	}
 	o := p.opts
-	sqDepth := min(o.SendQueueDepth, attr.MaxQPWR)
+	// Type-2 memory windows get send-queue room of their own.
+	mwSlots := 0
+	if attr.MemWindowType2 && attr.MaxQPWR > 2*windowSlots && attr.MaxCQE > 2*windowSlots {
+		mwSlots = windowSlots
+	}
+	sqDepth := min(o.SendQueueDepth, attr.MaxQPWR-mwSlots)
 	rqDepth := min(o.RecvQueueDepth, attr.MaxQPWR)
-	if cqe := sqDepth + rqDepth; cqe > attr.MaxCQE {
-		sqDepth = sqDepth * attr.MaxCQE / cqe
-		rqDepth = attr.MaxCQE - sqDepth
+	if cqe := sqDepth + rqDepth; cqe > attr.MaxCQE-mwSlots {
+		sqDepth = sqDepth * (attr.MaxCQE - mwSlots) / cqe
+		rqDepth = attr.MaxCQE - mwSlots - sqDepth
 	}
 	c = &conn{
 		p:         p,
@@ -178,6 +199,8 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 		regions:   make(map[*region]struct{}),
 	}
 	c.tryCQ = c.tryCQEvent
+	c.initWindows(mwSlots > 0)
+	c.mwSpanChecked = attr.VendorID != rxeVendorID
 	c.sq.ents = make([]entry, sqDepth)
 	c.rq.ents = make([]entry, rqDepth)
 	defer func() {
@@ -194,10 +217,10 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	if c.cqw, err = newWaiter(c.cc.Fd(), "rdma-cq"); err != nil {
 		return nil, err
 	}
-	if c.cq, err = ctx.NewCQ(sqDepth+rqDepth, c.cc, pollBatch); err != nil {
+	if c.cq, err = ctx.NewCQ(sqDepth+rqDepth+mwSlots, c.cc, pollBatch); err != nil {
 		return nil, memlockHint(err)
 	}
-	want := verbs.QPCaps{SendWR: sqDepth, RecvWR: rqDepth, InlineData: maxInline}
+	want := verbs.QPCaps{SendWR: sqDepth + mwSlots, RecvWR: rqDepth, InlineData: maxInline}
 	chunk := min(postChunk, max(sqDepth, rqDepth))
 	if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 		want.InlineData = 0
@@ -341,9 +364,12 @@ func inGoHeap(p *byte) (heap bool) {
 
 // Register registers buf with ibv_reg_mr on the conn's protection domain.
 // buf must be outside the Go heap (from transport.AllocMemory): the device
-// keeps its address, which the cgo rules forbid for Go memory.
+// keeps its address, which the cgo rules forbid for Go memory; and it must
+// not map a file (transport.CheckNotFileMapping). AccessBindWindow adds
+// IBV_ACCESS_MW_BIND if the device has memory windows (without, it is
+// dropped: BindWindow reports ErrUnsupported anyway).
 func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, error) {
-	const all = transport.AccessLocalWrite | transport.AccessRemoteRead | transport.AccessRemoteWrite
+	const all = transport.AccessLocalWrite | transport.AccessRemoteRead | transport.AccessRemoteWrite | transport.AccessBindWindow
 	switch {
 	case len(buf) == 0:
 		return nil, errors.New("register: empty buffer")
@@ -354,6 +380,9 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	case inGoHeap(&buf[0]):
 		return nil, errors.New("register: the buffer is in the Go heap; RDMA needs memory from transport.AllocMemory")
 	}
+	if err := transport.CheckNotFileMapping(buf); err != nil {
+		return nil, err
+	}
 	flags := 0
 	if access&transport.AccessLocalWrite != 0 {
 		flags |= verbs.AccessLocalWrite
@@ -363,6 +392,9 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	}
 	if access&transport.AccessRemoteWrite != 0 {
 		flags |= verbs.AccessRemoteWrite
+	}
+	if access&transport.AccessBindWindow != 0 && c.mwSupported.Load() {
+		flags |= verbs.AccessMWBind
 	}
 	c.regMu.Lock()
 	defer c.regMu.Unlock()
@@ -403,6 +435,7 @@ type region struct {
 	// quarantined: a Deregister failed and the MR is still registered
 	// (c.regMu).
 	quarantined bool
+	windows     map[*window]struct{} // bound over it, not dead (c.mwMu)
 }
 
 func (r *region) Bytes() []byte            { return r.buf }
@@ -427,7 +460,11 @@ func (r *region) Deregister() error {
 	if r.mr == nil {
 		return nil
 	}
-	if err := deregMR(r.mr); err != nil {
+	err := c.killWindowsLocked(r)
+	if err == nil {
+		err = deregMR(r.mr)
+	}
+	if err != nil {
 		if !r.quarantined {
 			c.log.Warn("rdma: deregistering a region failed; its memory is quarantined",
 				zap.String("remote", c.remote), zap.Uint64("addr", r.addr), zap.Int("len", len(r.buf)), zap.Error(err))
@@ -772,9 +809,18 @@ func mapStatus(s uint32) transport.Status {
 func (c *conn) complete(k int) {
 	var failure error
 	flushed := false
+	var mws [pollBatch]verbs.WC
+	nmw := 0
 	c.sq.mu.Lock()
 	c.rq.mu.Lock()
 	for _, wc := range c.cq.WCs()[:k] {
+		if wc.ID&(recvBit|mwBit) == mwBit {
+			// A bind or invalidation: completeMW takes it, Poll never
+			// returns it.
+			mws[nmw] = wc
+			nmw++
+			continue
+		}
 		r := &c.sq
 		if wc.ID&recvBit != 0 {
 			r = &c.rq
@@ -820,6 +866,16 @@ func (c *conn) complete(k int) {
 	}
 	c.rq.mu.Unlock()
 	c.sq.mu.Unlock()
+	for _, wc := range mws[:nmw] {
+		st := mapStatus(wc.Status)
+		if st == transport.StatusFlushed {
+			flushed = true
+		}
+		if err := c.completeMW(wc.ID, st, wc.VendorErr); err != nil && failure == nil && !c.failed.Load() {
+			failure = err
+			c.log.Warn("rdma work request failed", zap.String("remote", c.remote), zap.Error(err))
+		}
+	}
 	if failure != nil {
 		c.failed.Store(true)
 		c.breakConn(failure)
@@ -1045,6 +1101,7 @@ func (c *conn) drainFlushes() {
 		left := c.sq.hwOut + c.rq.hwOut
 		c.rq.mu.Unlock()
 		c.sq.mu.Unlock()
+		left += c.mwInFlight()
 		if left == 0 {
 			return
 		}
@@ -1090,6 +1147,11 @@ func (c *conn) teardown() {
 
 // destroyVerbs destroys the verbs resources of newConn, in order.
 func (c *conn) destroyVerbs() {
+	// The memory windows go first: a bound type-2 window holds a reference
+	// on its QP (rxe waits for it in the QP's destroy, and warns after a
+	// minute), and a device refuses to deregister an MR with windows
+	// bound. The QP is in the error state by now: it executes nothing.
+	c.destroyWindows()
 	if c.qp != nil {
 		c.qp.Destroy()
 	}

@@ -50,8 +50,25 @@
 // and its own RDMA CM event channel. Register is ibv_reg_mr with the mapped
 // access flags; the memory must come from transport.AllocMemory (outside
 // the Go heap): the device keeps its address, which the cgo rules forbid
-// for Go memory, and Register refuses Go heap memory. When the memlock
-// limit is too low, the error says how to raise it.
+// for Go memory, and Register refuses Go heap memory, and file mappings
+// (transport.ErrFileMapping). When the memlock limit is too low, the
+// error says how to raise it.
+//
+// # Memory windows
+//
+// A conn is a transport.WindowBinder when its device has type-2 memory
+// windows (IBV_DEVICE_MEM_WINDOW_TYPE_2A or _2B): memory registered once
+// with transport.AccessBindWindow (IBV_ACCESS_MW_BIND) is granted span by
+// span with BindWindow, a type-2 MW (ibv_alloc_mw, pooled per conn) bound
+// to the conn's QP by a signaled IBV_WR_BIND_MW under a new key
+// (ibv_inc_rkey), and revoked by Invalidate, an IBV_WR_LOCAL_INV. Those
+// requests have send-queue room of their own (8 slots beyond
+// SendQueueDepth, and as many CQ entries), and their completions are
+// taken inside Poll (their wr_ids are marked) and never returned. The key
+// of a window is 8 bits a consumer chooses over the MW's index, so a key
+// comes back after 256 binds of the same MW: a peer must not keep keys of
+// revoked grants. Without type-2 windows BindWindow fails with
+// transport.ErrUnsupported and the caller registers per grant instead.
 //
 // # Completions
 //

@@ -555,3 +555,21 @@ func BenchmarkSendRecv(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkGrantRegister is the cost of a grant without memory windows: an
+// ibv_reg_mr and ibv_dereg_mr of 1 MiB (what the target did per chunk and
+// grant).
+func BenchmarkGrantRegister(b *testing.B) {
+	p, ip := testProvider(b, Options{})
+	a, _ := transporttest.Connect(b, p, net.JoinHostPort(ip, "0"))
+	transporttest.BenchGrantRegister(b, a)
+}
+
+// BenchmarkGrantWindow is the cost of a grant with a type-2 memory window
+// over memory registered once: the bind and the LOCAL_INV work requests
+// and their completions, reaped by a goroutine polling the conn.
+func BenchmarkGrantWindow(b *testing.B) {
+	p, ip := testProvider(b, Options{})
+	a, _ := transporttest.Connect(b, p, net.JoinHostPort(ip, "0"))
+	transporttest.BenchGrantWindow(b, a)
+}

@@ -132,3 +132,17 @@ func BenchmarkSendRecv(b *testing.B) {
 		b.Fatal(err)
 	}
 }
+
+// BenchmarkGrantRegister is the cost of a grant without memory windows: a
+// Register and Deregister of 1 MiB.
+func BenchmarkGrantRegister(b *testing.B) {
+	a, _ := transporttest.Connect(b, tcp.New("tcp"), "127.0.0.1:0")
+	transporttest.BenchGrantRegister(b, a)
+}
+
+// BenchmarkGrantWindow is the cost of a grant with a memory window: a
+// BindWindow and Invalidate of 1 MiB of memory registered once.
+func BenchmarkGrantWindow(b *testing.B) {
+	a, _ := transporttest.Connect(b, tcp.New("tcp"), "127.0.0.1:0")
+	transporttest.BenchGrantWindow(b, a)
+}

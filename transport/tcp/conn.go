@@ -62,6 +62,7 @@ type rqEntry struct {
 type readResp struct {
 	seq  uint64
 	data []byte
+	win  *window // the window data is read through, released once written
 }
 
 // conn is one emulated RC queue pair with its protection domain and CQ.
@@ -83,6 +84,7 @@ type conn struct {
 
 	regMu     sync.RWMutex
 	regions   map[uint32]*region // by rkey (lkey is the same)
+	windows   map[uint32]*window // by rkey, from the same key space
 	regClosed bool
 	keyBase   uint32
 	keyNext   uint32
@@ -144,6 +146,7 @@ type conn struct {
 	wh    [writeBatch]header
 	wbufs [][]byte
 	wnb   net.Buffers
+	wwins []*window // windows of the READ responses being written
 
 	wg sync.WaitGroup
 }
@@ -176,6 +179,7 @@ func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRe
 			MaxPrivateData:   MaxConnectPrivateData,
 		},
 		regions:    make(map[uint32]*region),
+		windows:    make(map[uint32]*window),
 		keyBase:    rand.Uint32(),
 		dying:      make(chan struct{}),
 		done:       make(chan struct{}),
@@ -219,9 +223,10 @@ func (c *conn) Limits() transport.Limits { return c.limits }
 func (c *conn) LocalAddr() string        { return c.local }
 func (c *conn) RemoteAddr() string       { return c.remote }
 
-// Register registers buf under a fresh key.
+// Register registers buf under a fresh key. Like a hardware provider it
+// refuses memory that is a mapping of a file.
 func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, error) {
-	const all = transport.AccessLocalWrite | transport.AccessRemoteRead | transport.AccessRemoteWrite
+	const all = transport.AccessLocalWrite | transport.AccessRemoteRead | transport.AccessRemoteWrite | transport.AccessBindWindow
 	switch {
 	case len(buf) == 0:
 		return nil, errors.New("register: empty buffer")
@@ -230,21 +235,15 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	case access&transport.AccessRemoteWrite != 0 && access&transport.AccessLocalWrite == 0:
 		return nil, errors.New("register: remote write access requires local write access")
 	}
+	if err := transport.CheckNotFileMapping(buf); err != nil {
+		return nil, err
+	}
 	c.regMu.Lock()
 	defer c.regMu.Unlock()
 	if c.regClosed {
 		return nil, fmt.Errorf("register: %w", transport.ErrClosed)
 	}
-	var key uint32
-	for {
-		// Multiplying by an odd constant is a bijection on uint32, so keys
-		// repeat only after 2^32 registrations; the table check covers that.
-		key = c.keyBase ^ (c.keyNext * 0x9e3779b1)
-		c.keyNext++
-		if key != 0 && c.regions[key] == nil {
-			break
-		}
-	}
+	key := c.newKeyLocked()
 	r := &region{
 		c:      c,
 		buf:    buf,
@@ -256,6 +255,20 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	return r, nil
 }
 
+// newKeyLocked returns a key that names no live region or window (regMu
+// held).
+func (c *conn) newKeyLocked() uint32 {
+	for {
+		// Multiplying by an odd constant is a bijection on uint32, so keys
+		// repeat only after 2^32 registrations; the table check covers that.
+		key := c.keyBase ^ (c.keyNext * 0x9e3779b1)
+		c.keyNext++
+		if key != 0 && c.regions[key] == nil && c.windows[key] == nil {
+			return key
+		}
+	}
+}
+
 // region is a registered span of memory.
 type region struct {
 	c       *conn
@@ -264,6 +277,7 @@ type region struct {
 	key     uint32
 	access  transport.Access
 	revoked atomic.Bool
+	windows map[*window]struct{} // bound over it (c.regMu)
 }
 
 func (r *region) Bytes() []byte            { return r.buf }
@@ -272,6 +286,9 @@ func (r *region) LKey() uint32             { return r.key }
 func (r *region) RKey() uint32             { return r.key }
 func (r *region) Access() transport.Access { return r.access }
 
+// Deregister revokes the region and the windows bound over it. (It does
+// not wait for a request of the peer on a window to finish, as no
+// Deregister waits for one on the region: the caller's duty.)
 func (r *region) Deregister() error {
 	r.revoked.Store(true)
 	c := r.c
@@ -279,7 +296,19 @@ func (r *region) Deregister() error {
 	if c.regions[r.key] == r {
 		delete(c.regions, r.key)
 	}
+	wins := r.windows
+	r.windows = nil
+	for w := range wins {
+		if c.windows[w.key] == w {
+			delete(c.windows, w.key)
+		}
+	}
 	c.regMu.Unlock()
+	for w := range wins {
+		w.mu.Lock()
+		w.dead = true
+		w.mu.Unlock()
+	}
 	return nil
 }
 
@@ -299,23 +328,39 @@ func (c *conn) localSpan(s transport.SGE, write bool) ([]byte, bool) {
 	return r.buf[s.Offset : s.Offset+s.Length : s.Offset+s.Length], true
 }
 
-// remoteSpan checks a one-sided request of the peer.
-func (c *conn) remoteSpan(rkey uint32, addr, n uint64, need transport.Access) ([]byte, bool) {
+// remoteSpan checks a one-sided request of the peer. If rkey names a
+// window, the window is returned too, in use until its release: the
+// caller releases it once it no longer touches the span.
+func (c *conn) remoteSpan(rkey uint32, addr, n uint64, need transport.Access) ([]byte, *window, bool) {
 	c.regMu.RLock()
 	r := c.regions[rkey]
+	var w *window
+	if r == nil {
+		w = c.windows[rkey]
+	}
 	c.regMu.RUnlock()
-	if r == nil || r.access&need == 0 {
-		return nil, false
+	var buf []byte
+	var base uint64
+	switch {
+	case r != nil && r.access&need != 0:
+		buf, base = r.buf, r.addr
+	case w != nil && w.access&need != 0:
+		buf, base = w.buf, w.addr
+	default:
+		return nil, nil, false
 	}
-	size := uint64(len(r.buf))
-	if addr < r.addr {
-		return nil, false
+	size := uint64(len(buf))
+	if addr < base {
+		return nil, nil, false
 	}
-	off := addr - r.addr
+	off := addr - base
 	if off > size || n > size-off {
-		return nil, false
+		return nil, nil, false
 	}
-	return r.buf[off : off+n : off+n], true
+	if w != nil && !w.acquire() {
+		return nil, nil, false
+	}
+	return buf[off : off+n : off+n], w, true
 }
 
 // PostSend queues work requests. A request whose local buffer fails the
@@ -543,6 +588,7 @@ func (c *conn) finalize() {
 	c.regMu.Lock()
 	c.regClosed = true
 	clear(c.regions)
+	clear(c.windows)
 	c.regMu.Unlock()
 	if c.rnrTimer != nil {
 		c.rnrTimer.Stop()
@@ -575,6 +621,9 @@ func (c *conn) finalize() {
 		}
 		c.pushLocked(transport.Completion{ID: e.id, Op: transport.OpRecv, Status: st})
 		e.buf = nil
+	}
+	for ; c.rrHead < c.rrTail; c.rrHead++ {
+		c.rr[c.rrHead%uint64(len(c.rr))].win.release()
 	}
 	clear(c.rr)
 	c.rrHead, c.rrTail = 0, 0

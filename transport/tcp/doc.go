@@ -9,9 +9,16 @@
 // # What it emulates
 //
 // Each Conn is a queue pair with its own protection domain and completion
-// queue. Memory registered on it (any []byte) gets a fresh 32-bit key (lkey
-// and rkey are equal) and is named by the peer with the address of its first
-// byte, as with verbs. The responder side of one-sided operations lives in
+// queue. Memory registered on it (any []byte but a mapping of a file, which
+// hardware must not pin either) gets a fresh 32-bit key (lkey and rkey are
+// equal) and is named by the peer with the address of its first byte, as
+// with verbs. A Conn is a transport.WindowBinder: a window over a span of a
+// region registered with AccessBindWindow gets a key of its own from the
+// same key space, known to this Conn only (a type-2 memory window bound to
+// the QP), checked against the window's span and rights; Invalidate takes
+// the key out and waits until no request of the peer still reads or writes
+// the span (a WRITE's payload being placed, a READ's response not yet
+// written). The responder side of one-sided operations lives in
 // the provider, in the goroutine reading the stream: an RDMA WRITE is checked
 // (rkey, bounds, AccessRemoteWrite) and its data read from the socket
 // straight into the target region; an RDMA READ is checked

@@ -115,10 +115,12 @@ func (c *conn) execute(h *header) (transport.Status, error) {
 	n := h.length()
 	switch h.typ() {
 	case frameWrite, frameWriteImm:
-		dst, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(n), transport.AccessRemoteWrite)
+		dst, w, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(n), transport.AccessRemoteWrite)
 		if !ok {
 			return transport.StatusRemoteAccessError, nil
 		}
+		// An Invalidate of the window waits for the payload to be placed.
+		defer w.release()
 		if h.typ() == frameWriteImm {
 			if _, st, err := c.takeRecv(); err != nil || st != transport.StatusSuccess {
 				return st, err
@@ -148,7 +150,7 @@ func (c *conn) execute(h *header) (transport.Status, error) {
 		if size > maxPayload {
 			return transport.StatusRemoteInvalidRequest, nil
 		}
-		src, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(size), transport.AccessRemoteRead)
+		src, w, ok := c.remoteSpan(h.rkey(), h.addr(), uint64(size), transport.AccessRemoteRead)
 		if !ok {
 			return transport.StatusRemoteAccessError, nil
 		}
@@ -156,9 +158,12 @@ func (c *conn) execute(h *header) (transport.Status, error) {
 		defer c.mu.Unlock()
 		if c.rrTail-c.rrHead >= uint64(len(c.rr)) {
 			// More READs than this side serves at once.
+			w.release()
 			return transport.StatusRemoteInvalidRequest, nil
 		}
-		c.rr[c.rrTail%uint64(len(c.rr))] = readResp{seq: h.seq(), data: src}
+		// The window stays in use until the writer sent the data (an
+		// Invalidate waits for that), or finalize dropped the response.
+		c.rr[c.rrTail%uint64(len(c.rr))] = readResp{seq: h.seq(), data: src, win: w}
 		c.rrTail++
 		c.writerCond.Signal()
 	}
@@ -336,6 +341,11 @@ func (c *conn) writeLoop() {
 		c.mu.Unlock()
 		c.wnb = c.wbufs
 		_, err := c.wnb.WriteTo(c.nc)
+		for i, w := range c.wwins {
+			w.release()
+			c.wwins[i] = nil
+		}
+		c.wwins = c.wwins[:0]
 		c.mu.Lock()
 		if err != nil {
 			c.breakLocked(fmt.Errorf("write: %w", err))
@@ -376,7 +386,10 @@ func (c *conn) collectLocked() {
 		r := &c.rr[c.rrHead%uint64(len(c.rr))]
 		c.wh[n].put(frameReadResp, 0, uint32(len(r.data)), r.seq, 0, 0, 0)
 		frame(r.data)
-		r.data = nil
+		if r.win != nil {
+			c.wwins = append(c.wwins, r.win)
+		}
+		r.data, r.win = nil, nil
 		c.rrHead++
 	}
 	if c.rrHead < c.rrTail {

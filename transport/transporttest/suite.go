@@ -54,7 +54,15 @@ func Run(t *testing.T, newPair func(t *testing.T) (a, b transport.Conn)) {
 		{"CloseTwice", testCloseTwice},
 		{"CloseFlushes", testCloseFlushes},
 		{"PeerClose", testPeerClose},
+		{"RegisterFileMapping", testRegisterFileMapping},
 	} {
+		t.Run(tc.name, func(t *testing.T) {
+			CheckGoroutines(t)
+			e := newEnv(t, newPair)
+			tc.fn(e)
+		})
+	}
+	for _, tc := range windowTests {
 		t.Run(tc.name, func(t *testing.T) {
 			CheckGoroutines(t)
 			e := newEnv(t, newPair)

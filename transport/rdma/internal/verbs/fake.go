@@ -4,6 +4,7 @@ package verbs
 
 /*
 #include <errno.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,8 @@ package verbs
 struct rblk_fake {
 	struct ibv_context ctx;
 	struct ibv_qp qp;
+	struct ibv_pd pd;
+	int mws, mw_next; // windows allocated and not freed; keys given
 	int fail_send_at, fail_recv_at; // -1: never
 	int per_call; // the indexes count within each post, which all fail
 	int err;
@@ -58,6 +61,28 @@ static int rblk_fake_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct
 	return 0;
 }
 
+static struct ibv_mw *rblk_fake_alloc_mw(struct ibv_pd *pd, enum ibv_mw_type type) {
+	struct rblk_fake *f = (struct rblk_fake *)((char *)pd - offsetof(struct rblk_fake, pd));
+	struct ibv_mw *mw = calloc(1, sizeof(*mw));
+	if (!mw) {
+		errno = ENOMEM;
+		return NULL;
+	}
+	mw->context = pd->context;
+	mw->pd = pd;
+	mw->type = type;
+	mw->rkey = (uint32_t)(++f->mw_next) << 8;
+	f->mws++;
+	return mw;
+}
+
+static int rblk_fake_dealloc_mw(struct ibv_mw *mw) {
+	struct rblk_fake *f = (struct rblk_fake *)((char *)mw->pd - offsetof(struct rblk_fake, pd));
+	f->mws--;
+	free(mw);
+	return 0;
+}
+
 static struct rblk_fake *rblk_fake_new(int cap, int fail_send_at, int fail_recv_at, int per_call, int err) {
 	struct rblk_fake *f = calloc(1, sizeof(*f));
 	if (!f)
@@ -77,6 +102,8 @@ static struct rblk_fake *rblk_fake_new(int cap, int fail_send_at, int fail_recv_
 	f->err = err;
 	f->ctx.ops.post_send = rblk_fake_post_send;
 	f->ctx.ops.post_recv = rblk_fake_post_recv;
+	f->pd.context = &f->ctx;
+	f->qp.pd = &f->pd;
 	f->qp.context = &f->ctx;
 	f->qp.qp_context = f;
 	f->qp.qp_num = 1;
@@ -90,6 +117,12 @@ static void rblk_fake_free(struct rblk_fake *f) {
 }
 
 static struct ibv_qp *rblk_fake_qp(struct rblk_fake *f) { return &f->qp; }
+static struct ibv_pd *rblk_fake_pd(struct rblk_fake *f) { return &f->pd; }
+
+static void rblk_fake_set_mw(struct rblk_fake *f, int on) {
+	f->ctx.ops.alloc_mw = on ? rblk_fake_alloc_mw : NULL;
+	f->ctx.ops.dealloc_mw = on ? rblk_fake_dealloc_mw : NULL;
+}
 */
 import "C"
 
@@ -122,6 +155,9 @@ type FakeQPConfig struct {
 	Errno syscall.Errno
 	// Record is how many wr_ids of each queue are kept for FakePosted.
 	Record int
+	// MW gives the QP's fake PD (FakePD) type-2 memory windows; without
+	// it ibv_alloc_mw fails with EOPNOTSUPP.
+	MW bool
 }
 
 // NewFakeQP returns a QP without a device, for tests of the posting logic
@@ -144,10 +180,20 @@ func NewFakeQP(cfg FakeQPConfig) (*QP, error) {
 		C.rblk_fake_free(f)
 		return nil, err
 	}
+	if cfg.MW {
+		C.rblk_fake_set_mw(f, 1)
+	}
 	qp := wrapQP(nil, C.rblk_fake_qp(f), bufs, cfg.Chunk, cfg.Caps)
 	qp.fake = &fakeQP{p: f}
 	return qp, nil
 }
+
+// FakePD is the protection domain of a fake QP: it allocates fake memory
+// windows if FakeQPConfig.MW. It is freed with the QP.
+func (qp *QP) FakePD() *PD { return &PD{p: C.rblk_fake_pd(qp.fake.p)} }
+
+// FakeMWs is the number of windows of FakePD allocated and not freed.
+func (qp *QP) FakeMWs() int { return int(qp.fake.p.mws) }
 
 // FakePosted returns the wr_ids a fake QP took, sends and receives, in
 // order (up to FakeQPConfig.Record of each), and whether ToError was called.

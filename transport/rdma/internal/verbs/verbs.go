@@ -373,6 +373,53 @@ static int rblk_qp_to_error(struct ibv_qp *qp) {
 	return ibv_modify_qp(qp, &attr, IBV_QP_STATE);
 }
 
+// rblk_alloc_mw is ibv_alloc_mw of a type-2 window; NULL with errno set.
+static struct ibv_mw *rblk_alloc_mw(struct ibv_pd *pd) {
+	return ibv_alloc_mw(pd, IBV_MW_TYPE_2);
+}
+
+static int rblk_dealloc_mw(struct ibv_mw *mw) { return ibv_dealloc_mw(mw); }
+
+// rblk_post_bind_mw posts one signaled IBV_WR_BIND_MW of the type-2 window
+// mw over [addr, addr+length) of mr, under the new rkey (whose 8 low bits
+// the caller chose with ibv_inc_rkey). Once posted, mw->rkey is the new
+// one: the next bind names the window by it (rxe checks that it is the
+// window's current key).
+static int rblk_post_bind_mw(struct ibv_qp *qp, uint64_t wr_id, struct ibv_mw *mw, struct ibv_mr *mr,
+			     uint64_t addr, uint64_t length, unsigned int access, uint32_t rkey) {
+	struct ibv_send_wr wr, *bad = NULL;
+	int ret;
+
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.opcode = IBV_WR_BIND_MW;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	wr.bind_mw.mw = mw;
+	wr.bind_mw.rkey = rkey;
+	wr.bind_mw.bind_info.mr = mr;
+	wr.bind_mw.bind_info.addr = addr;
+	wr.bind_mw.bind_info.length = length;
+	wr.bind_mw.bind_info.mw_access_flags = access;
+	ret = ibv_post_send(qp, &wr, &bad);
+	if (ret == 0)
+		mw->rkey = rkey;
+	return ret;
+}
+
+// rblk_post_local_inv posts one signaled IBV_WR_LOCAL_INV of rkey.
+static int rblk_post_local_inv(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey) {
+	struct ibv_send_wr wr, *bad = NULL;
+
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.opcode = IBV_WR_LOCAL_INV;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	wr.invalidate_rkey = rkey;
+	return ibv_post_send(qp, &wr, &bad);
+}
+
+static uint32_t rblk_inc_rkey(uint32_t rkey) { return ibv_inc_rkey(rkey); }
+
 static struct ibv_context *rblk_id_verbs(struct rdma_cm_id *id) { return id->verbs; }
 static struct ibv_qp *rblk_id_qp(struct rdma_cm_id *id) { return id->qp; }
 static uint8_t rblk_id_port(struct rdma_cm_id *id) { return id->port_num; }
@@ -447,6 +494,13 @@ const (
 	AccessLocalWrite  = C.IBV_ACCESS_LOCAL_WRITE
 	AccessRemoteWrite = C.IBV_ACCESS_REMOTE_WRITE
 	AccessRemoteRead  = C.IBV_ACCESS_REMOTE_READ
+	AccessMWBind      = C.IBV_ACCESS_MW_BIND
+)
+
+// Completion opcodes (ibv_wc_opcode) of memory window requests.
+const (
+	WCBindMW   = C.IBV_WC_BIND_MW
+	WCLocalInv = C.IBV_WC_LOCAL_INV
 )
 
 // Completion statuses (ibv_wc_status).
@@ -909,6 +963,13 @@ type DeviceAttr struct {
 	MaxQPRdAtom     int
 	MaxQPInitRdAtom int
 	MaxMRSize       uint64
+	// MemWindowType2 says the device has type-2 memory windows
+	// (IBV_DEVICE_MEM_WINDOW_TYPE_2A or _2B in device_cap_flags).
+	MemWindowType2 bool
+	// MaxMW is the most memory windows the device has (max_mw).
+	MaxMW int
+	// VendorID is vendor_id (0xffffff for Soft-RoCE).
+	VendorID uint32
 }
 
 // QueryDevice is ibv_query_device.
@@ -924,6 +985,9 @@ func (c *Context) QueryDevice() (DeviceAttr, error) {
 		MaxQPRdAtom:     int(a.max_qp_rd_atom),
 		MaxQPInitRdAtom: int(a.max_qp_init_rd_atom),
 		MaxMRSize:       uint64(a.max_mr_size),
+		MemWindowType2:  a.device_cap_flags&(C.IBV_DEVICE_MEM_WINDOW_TYPE_2A|C.IBV_DEVICE_MEM_WINDOW_TYPE_2B) != 0,
+		MaxMW:           int(a.max_mw),
+		VendorID:        uint32(a.vendor_id),
 	}, nil
 }
 
@@ -980,6 +1044,61 @@ func (mr *MR) Dereg() error {
 		return errnoErr("ibv_dereg_mr", e)
 	}
 	mr.p = nil
+	return nil
+}
+
+// MW is a type-2 memory window. RKey is its current key: the one of its
+// last bind posted, or the one ibv_alloc_mw gave.
+type MW struct {
+	p    *C.struct_ibv_mw
+	RKey uint32
+}
+
+// AllocMW is ibv_alloc_mw(pd, IBV_MW_TYPE_2). A device without memory
+// windows fails it with EOPNOTSUPP (or ENOSYS).
+func (pd *PD) AllocMW() (*MW, error) {
+	p, err := C.rblk_alloc_mw(pd.p)
+	if p == nil {
+		return nil, callErr("ibv_alloc_mw", err)
+	}
+	return &MW{p: p, RKey: uint32(p.rkey)}, nil
+}
+
+// Dealloc is ibv_dealloc_mw; no work request on the window may be in
+// flight. Safe to call twice.
+func (mw *MW) Dealloc() error {
+	if mw.p == nil {
+		return nil
+	}
+	if e := C.rblk_dealloc_mw(mw.p); e != 0 {
+		return errnoErr("ibv_dealloc_mw", e)
+	}
+	mw.p = nil
+	return nil
+}
+
+// IncRKey is ibv_inc_rkey: rkey with its 8 low bits (the key a consumer
+// chooses) incremented.
+func IncRKey(rkey uint32) uint32 { return uint32(C.rblk_inc_rkey(C.uint32_t(rkey))) }
+
+// PostBindMW posts a signaled IBV_WR_BIND_MW with wr_id id, binding mw to
+// the QP over [addr, addr+length) of mr with the remote access flags
+// access, under rkey (IncRKey(mw.RKey)); mw.RKey is rkey once it is posted.
+// It is posted alone, outside SendBuf, and may be called concurrently with
+// PostSend (the provider serializes posts).
+func (qp *QP) PostBindMW(id uint64, mw *MW, mr *MR, addr, length uint64, access int, rkey uint32) error {
+	if e := C.rblk_post_bind_mw(qp.p, C.uint64_t(id), mw.p, mr.p, C.uint64_t(addr), C.uint64_t(length), C.uint(access), C.uint32_t(rkey)); e != 0 {
+		return errnoErr("ibv_post_send IBV_WR_BIND_MW", e)
+	}
+	mw.RKey = rkey
+	return nil
+}
+
+// PostLocalInv posts a signaled IBV_WR_LOCAL_INV of rkey with wr_id id.
+func (qp *QP) PostLocalInv(id uint64, rkey uint32) error {
+	if e := C.rblk_post_local_inv(qp.p, C.uint64_t(id), C.uint32_t(rkey)); e != 0 {
+		return errnoErr("ibv_post_send IBV_WR_LOCAL_INV", e)
+	}
 	return nil
 }
 
