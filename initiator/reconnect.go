@@ -91,6 +91,13 @@ func (v *Volume) reconnect() (*session, error) {
 			// Trying again would not change the answer.
 			return nil, fmt.Errorf("reconnect to %s: %w", v.opts.Target, err)
 		}
+		if errors.As(err, new(errHeld)) && v.opts.HostID != "" {
+			// Another host holds the export: it took it over while this
+			// session was down (its fence notice was lost with the link).
+			// (An anonymous volume may see its own old session, which the
+			// target has not yet found dead: it tries again.)
+			return nil, fmt.Errorf("%w: while reconnecting: %w", ErrFenced, err)
+		}
 		lastErr = err
 		if attempt <= 5 || attempt%10 == 0 {
 			v.log.Info("reconnecting", zap.String("target", v.opts.Target), zap.Int("attempt", attempt), zap.Error(err))

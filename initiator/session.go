@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -67,7 +68,11 @@ func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
 	}
 	if err != nil {
 		l.Close()
-		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+		err = fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+		if errors.Is(err, protocol.ErrBusy) {
+			err = errHeld{err}
+		}
+		return nil, err
 	}
 	if s.info.ChunkSize == 0 || s.info.VolumeSize == 0 {
 		l.Close()
@@ -122,7 +127,7 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 			// session (another attach, or this one after the target saw
 			// it reconnect). Reconnecting would fence that one in turn.
 			v := s.v
-			v.fail(fmt.Errorf("%w: %s", ErrFenced, em.Text))
+			v.fail(fmt.Errorf("%w: %s", ErrFenced, strings.TrimPrefix(em.Text, "fenced: ")))
 			go s.link.Close()
 			return
 		}

@@ -127,9 +127,17 @@ var _ nbd.Backend = (*Volume)(nil)
 // ErrClosed is returned by IO on a closed volume.
 var ErrClosed = errors.New("volume closed")
 
-// ErrFenced is why a volume failed when the target fenced its session
-// because the same host ID opened the export again on another session.
-var ErrFenced = errors.New("fenced by a newer session of this host ID and export")
+// ErrFenced is why a volume failed when the target fenced its session:
+// the same host ID opened the export again on another session, or another
+// host took the export over. Its IO fails from then on; it does not
+// reconnect, which would fence the other session in turn.
+var ErrFenced = errors.New("fenced")
+
+// errHeld marks an Open refused because another host holds the export
+// read-write: on a reconnect, that host took it over.
+type errHeld struct{ error }
+
+func (e errHeld) Unwrap() error { return e.error }
 
 // ErrLostWrites is returned by Flush once after a lost connection when
 // writes acknowledged since the previous flush may not have reached the

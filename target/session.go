@@ -407,6 +407,13 @@ func (s *session) handleDone(h protocol.Header, payload []byte) {
 	if err == nil && !ov.writable {
 		err = fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
 	}
+	if err == nil && ov.fenced.Load() {
+		// Fenced (a reinstatement or a takeover) while this Done was on
+		// its way: its grants are gone and its session is being closed,
+		// with a notice the initiator should get; not a protocol error.
+		// The chunks it held writable are written back whole.
+		return
+	}
 	if err == nil {
 		err = ov.current(d.Generation)
 	}
