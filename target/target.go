@@ -132,42 +132,28 @@ type Target struct {
 	closeErr  error
 }
 
+// orDefault sets *v to d if it is the zero value.
+func orDefault[T comparable](v *T, d T) {
+	var zero T
+	if *v == zero {
+		*v = d
+	}
+}
+
 // New opens the exports (creating sparse files where asked) and allocates
 // the cache.
 func New(opts Options) (*Target, error) {
-	if opts.CacheSize == 0 {
-		opts.CacheSize = DefaultCacheSize
-	}
-	if opts.ChunkSize == 0 {
-		opts.ChunkSize = DefaultChunkSize
-	}
-	if opts.RevokeTimeout == 0 {
-		opts.RevokeTimeout = DefaultRevokeTimeout
-	}
-	if opts.DrainTimeout == 0 {
-		opts.DrainTimeout = DefaultDrainTimeout
-	}
-	if opts.DrainLimit == 0 {
-		opts.DrainLimit = DefaultDrainLimit
-	}
-	if opts.KeepAlive == 0 {
-		opts.KeepAlive = DefaultKeepAlive
-	}
-	if opts.WritebackDelay == 0 {
-		opts.WritebackDelay = DefaultWritebackWait
-	}
-	if opts.Logger == nil {
-		opts.Logger = zap.NewNop()
-	}
-	if opts.MaxSessions == 0 {
-		opts.MaxSessions = DefaultMaxSessions
-	}
-	if opts.MaxSessionsPerHost == 0 {
-		opts.MaxSessionsPerHost = DefaultMaxSessionsPerHost
-	}
-	if opts.HandshakeTimeout == 0 {
-		opts.HandshakeTimeout = DefaultHandshakeTimeout
-	}
+	orDefault(&opts.CacheSize, DefaultCacheSize)
+	orDefault(&opts.ChunkSize, DefaultChunkSize)
+	orDefault(&opts.RevokeTimeout, DefaultRevokeTimeout)
+	orDefault(&opts.DrainTimeout, DefaultDrainTimeout)
+	orDefault(&opts.DrainLimit, DefaultDrainLimit)
+	orDefault(&opts.KeepAlive, DefaultKeepAlive)
+	orDefault(&opts.WritebackDelay, DefaultWritebackWait)
+	orDefault(&opts.Logger, zap.NewNop())
+	orDefault(&opts.MaxSessions, DefaultMaxSessions)
+	orDefault(&opts.MaxSessionsPerHost, DefaultMaxSessionsPerHost)
+	orDefault(&opts.HandshakeTimeout, DefaultHandshakeTimeout)
 	if opts.TargetID == "" {
 		opts.TargetID, _ = os.Hostname()
 	}
