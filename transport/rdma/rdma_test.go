@@ -567,9 +567,14 @@ func BenchmarkGrantRegister(b *testing.B) {
 
 // BenchmarkGrantWindow is the cost of a grant with a type-2 memory window
 // over memory registered once: the bind and the LOCAL_INV work requests
-// and their completions, reaped by a goroutine polling the conn.
+// and their completions, reaped by a goroutine polling the conn, woken by
+// completion events or busy polling.
 func BenchmarkGrantWindow(b *testing.B) {
-	p, ip := testProvider(b, Options{})
-	a, _ := transporttest.Connect(b, p, net.JoinHostPort(ip, "0"))
-	transporttest.BenchGrantWindow(b, a)
+	for _, mode := range pollModes {
+		b.Run(mode.name, func(b *testing.B) {
+			p, ip := testProvider(b, mode.opts)
+			a, _ := transporttest.Connect(b, p, net.JoinHostPort(ip, "0"))
+			transporttest.BenchGrantWindow(b, a)
+		})
+	}
 }
