@@ -219,6 +219,10 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 		slot := c.free[len(c.free)-1]
 		c.free = c.free[:len(c.free)-1]
 		n := min(uint64(c.chunkSize), v.size-idx*uint64(c.chunkSize))
+		// A window over the slot may reach all of it (see grantkey.go):
+		// the tail past a short last chunk must not hold another
+		// chunk's data.
+		clear(c.slotBytes(slot)[n:])
 		ch := &chunk{key: key, off: idx * uint64(c.chunkSize), slot: slot, buf: c.slotBytes(slot)[:n],
 			state: chunkLoading, loaded: make(chan struct{}), pins: 1, holders: make(map[*session]holder),
 			dirty: make([]uint64, (c.chunkSize/dirtyBlock+63)/64)}

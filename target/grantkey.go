@@ -42,16 +42,14 @@ func (k windowKey) release() error {
 }
 
 // grantKeyFor gives s access to ch's memory with access: a memory window
-// when the connection has them, else a registration of the chunk. The
-// cache is registered on the connection once, at the first window,
-// without remote access of its own (only windows give that).
+// when the connection has them, else a registration of the chunk.
 func (s *session) grantKeyFor(ctx context.Context, ch *chunk, access transport.Access) (grantKey, error) {
 	conn := s.link.Conn()
 	if wb, ok := conn.(transport.WindowBinder); ok && !s.noWindows.Load() {
-		r, err := s.cacheRegion()
+		r, off, err := s.windowRegion(ch)
 		if err == nil {
 			var w transport.Window
-			w, err = wb.BindWindow(ctx, r, ch.slot*s.t.cache.chunkSize, len(ch.buf), access&^transport.AccessLocalWrite)
+			w, err = wb.BindWindow(ctx, r, off, len(ch.buf), access&^transport.AccessLocalWrite)
 			if err == nil {
 				return windowKey{w}, nil
 			}
@@ -70,35 +68,63 @@ func (s *session) grantKeyFor(ctx context.Context, ch *chunk, access transport.A
 	return regionKey{r}, nil
 }
 
-// cacheRegion registers the whole cache on the session's connection, once,
-// for memory windows: local write (which a writable window needs) and
-// window binding, no remote access.
-func (s *session) cacheRegion() (transport.Region, error) {
+// windowRegion returns the session's registration to bind ch's window
+// over, and the chunk's offset in it. The registrations have no remote
+// access of their own (only windows give that): local write, which a
+// writable window needs, and window binding. Where the device holds a
+// window's operations to its span, the whole cache is registered once;
+// where it does not (Soft-RoCE checks the region's bounds only), a window
+// would reach its whole region, so each cache slot is registered once, on
+// its first grant, and a window reaches one slot at most.
+func (s *session) windowRegion(ch *chunk) (transport.Region, int, error) {
 	s.regMu.Lock()
 	defer s.regMu.Unlock()
-	if s.cacheReg != nil {
-		return s.cacheReg, nil
+	c := s.t.cache
+	const access = transport.AccessLocalWrite | transport.AccessBindWindow
+	if s.slotRegs == nil {
+		sc, ok := s.link.Conn().(transport.WindowSpanChecker)
+		s.spanChecked = ok && sc.WindowSpanChecked()
+		s.slotRegs = make(map[int]transport.Region)
 	}
-	r, err := s.link.Conn().Register(s.t.cache.mem.Bytes(), transport.AccessLocalWrite|transport.AccessBindWindow)
-	if err != nil {
-		return nil, err
+	if s.spanChecked {
+		if s.cacheReg == nil {
+			r, err := s.link.Conn().Register(c.mem.Bytes(), access)
+			if err != nil {
+				return nil, 0, fmt.Errorf("register the cache: %w", err)
+			}
+			s.cacheReg = r
+		}
+		return s.cacheReg, ch.slot * c.chunkSize, nil
 	}
-	s.cacheReg = r
-	return r, nil
+	r := s.slotRegs[ch.slot]
+	if r == nil {
+		var err error
+		if r, err = s.link.Conn().Register(c.slotBytes(ch.slot), access); err != nil {
+			return nil, 0, fmt.Errorf("register cache slot %d: %w", ch.slot, err)
+		}
+		s.slotRegs[ch.slot] = r
+	}
+	return r, 0, nil
 }
 
-// releaseCacheRegion deregisters the session's registration of the cache,
+// releaseRegions deregisters the session's registrations of the cache,
 // once its windows are gone (session end).
-func (s *session) releaseCacheRegion() {
+func (s *session) releaseRegions() {
 	s.regMu.Lock()
 	defer s.regMu.Unlock()
-	if s.cacheReg == nil {
-		return
+	regs := make([]transport.Region, 0, len(s.slotRegs)+1)
+	if s.cacheReg != nil {
+		regs = append(regs, s.cacheReg)
 	}
-	if err := s.cacheReg.Deregister(); err != nil {
-		// Without remote access of its own, the registration exposes
-		// nothing; the connection's close releases it.
-		s.log.Warn("deregister the cache's registration", zap.Error(err))
+	for _, r := range s.slotRegs {
+		regs = append(regs, r)
 	}
-	s.cacheReg = nil
+	for _, r := range regs {
+		if err := r.Deregister(); err != nil {
+			// Without remote access of their own, the registrations
+			// expose nothing; the connection's close releases them.
+			s.log.Warn("deregister the cache's registration", zap.Error(err))
+		}
+	}
+	s.cacheReg, s.slotRegs = nil, nil
 }

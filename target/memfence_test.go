@@ -208,3 +208,39 @@ func readFile(t *testing.T, path string) []byte {
 	}
 	return b
 }
+
+// TestRKeyBeyondItsChunk: a grant reaches its chunk and nothing around it
+// (the cache's other slots sit right before and after it), also on a
+// device that checks a window's operations against its region only.
+func TestRKeyBeyondItsChunk(t *testing.T) {
+	e := fenceEnv(t, true)
+	for _, c := range []struct {
+		name string
+		off  func(g protocol.Grant) uint64
+	}{
+		{"after its end", func(g protocol.Grant) uint64 { return uint64(g.Length) }},
+		{"before its start", func(g protocol.Grant) uint64 { return ^uint64(4096) + 1 }}, // -4096
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a, err := e.openAs("host-a", nil, protocol.ModeReadWrite, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Grant every chunk the cache holds, so that the slots around
+			// chunk 1's hold granted chunks too.
+			for i := uint64(0); i < 4; i++ {
+				grantOf(t, a, i*fenceChunk, true)
+			}
+			g := grantOf(t, a, fenceChunk, true)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			err = a.rdma(ctx, true, g, c.off(g), []byte("BEYOND"))
+			if !errors.Is(err, transport.ErrRemoteAccess) {
+				t.Fatalf("RDMA WRITE %s: %v, want a remote access error", c.name, err)
+			}
+		})
+	}
+	for i := uint64(0); i < 4; i++ {
+		chunkHolds(t, e, i*fenceChunk, fenceContent()[i*fenceChunk:(i+1)*fenceChunk])
+	}
+}

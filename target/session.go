@@ -68,11 +68,14 @@ type session struct {
 	countedHost string
 	counted     bool
 
-	// Memory windows (grantkey.go): the cache's registration on this
-	// connection (regMu), and whether the connection lacks windows.
-	regMu     sync.Mutex
-	cacheReg  transport.Region
-	noWindows atomic.Bool
+	// Memory windows (grantkey.go): the registrations of the cache on this
+	// connection, whole or by slot (regMu), and whether the connection
+	// lacks windows.
+	regMu       sync.Mutex
+	spanChecked bool
+	cacheReg    transport.Region
+	slotRegs    map[int]transport.Region
+	noWindows   atomic.Bool
 }
 
 // penalized reports whether the session's host was recently dropped for
@@ -584,7 +587,7 @@ func (s *session) end() {
 	for _, ov := range handles {
 		s.t.forget(s, ov)
 	}
-	s.releaseCacheRegion()
+	s.releaseRegions()
 	if opened {
 		s.t.cache.sessions.Add(-1)
 	}
