@@ -239,7 +239,7 @@ func (s *session) hostID() string {
 func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	host := s.hostID()
 	if m.HostID != "" && m.HostID != host {
-		return nil, fmt.Errorf("Open names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
+		return nil, fmt.Errorf("open names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
 	}
 	v := s.t.volumes[m.Name]
 	if v == nil {
