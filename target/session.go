@@ -545,11 +545,24 @@ func (s *session) dropGrants(ov *openVol) {
 // given, and every grant it holds is deregistered, so that an RDMA
 // operation still in flight on its connection cannot reach the memory.
 func (s *session) fence() {
+	s.markFenced()
+	s.dropFencedGrants()
+}
+
+// markFenced is the first half of fence: the session's handles are stale
+// and it gets no new grant.
+func (s *session) markFenced() {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.fenced = true
 	for _, ov := range s.handles {
 		ov.fenced.Store(true)
 	}
+}
+
+// dropFencedGrants is the second half: every grant is invalidated.
+func (s *session) dropFencedGrants() {
+	s.mu.Lock()
 	chunks := s.chunks
 	s.chunks = make(map[*chunk]struct{})
 	s.mu.Unlock()

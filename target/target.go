@@ -472,14 +472,18 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 	return errors.Join(errs...)
 }
 
-// fence ends the session of e: its grants are deregistered and its handle
-// is stale at once; it is told why (if it still listens: another attach,
-// not the new session's initiator reconnecting, so that it stops instead
-// of fencing back), its connection is closed, and fence waits until it
-// released everything.
+// fence ends the session of e: its handle is stale and it gets no new
+// grant at once; it is told why (if it still listens: another attach, not
+// the new session's initiator reconnecting, so that it stops instead of
+// fencing back); then its grants are invalidated, its connection is closed,
+// and fence waits until it released everything. The notice goes before
+// the invalidation: an RDMA WRITE of the session's that meets an
+// invalidated grant breaks its connection (on verbs, both ends' queue
+// pairs), and the notice with it. Until fence returns, nothing of the new
+// holder has run, so what the old one wrote meanwhile comes before it.
 func (t *Target) fence(ctx context.Context, e identEntry, why string) error {
 	e.ov.fenced.Store(true)
-	e.s.fence()
+	e.s.markFenced()
 	t.m.fenced.Inc()
 	nctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	notice := &protocol.ErrorMsg{Code: protocol.CodeStale, Text: why}
@@ -491,6 +495,7 @@ func (t *Target) fence(ctx context.Context, e identEntry, why string) error {
 		e.s.log.Debug("fence notice not delivered", zap.Error(err))
 	}
 	cancel()
+	e.s.dropFencedGrants()
 	e.s.link.Close()
 	select {
 	case <-e.s.ended:
