@@ -571,12 +571,16 @@ scen_security() {
 		--host-id vm-other --secret-file "$AUTH_DIR/vm-other.secret" --device "$(free_nbd)"
 	AM=127.0.0.1:9797 HOST_ID=vm-other SECRET=$AUTH_DIR/vm-other.secret attach taker.log $size --takeover
 	local dev_b=$DEV apid_b=$APID
-	wait_exit_rc() { local rc=0; wait "$1" || rc=$?; echo "$rc"; }
 	wait_for 30 no_children "$apid_a" || fail "the fenced holder's rblk-attach still runs"
-	[ "$(wait_exit_rc "$apid_a")" != 0 ] || fail "the fenced holder's rblk-attach exited 0"
+	local rc=0
+	wait "$apid_a" || rc=$?
+	[ "$rc" != 0 ] || fail "the fenced holder's rblk-attach exited 0"
 	grep -q 'took export .*vol.* over' "$LOGS/holder.log" || fail "the holder's log does not say it was fenced: $(tail -n 3 "$LOGS/holder.log")"
 	wait_for 60 no_children "$fio_pid" || fail "the fenced holder's fio still runs"
-	[ "$(wait_exit_rc "$fio_pid")" != 0 ] || grep -q 'err=' "$LOGS/fio-holder.log" || fail "the fenced holder's fio saw no error"
+	rc=0
+	wait "$fio_pid" || rc=$?
+	[ "$rc" != 0 ] || grep -q 'err=' "$LOGS/fio-holder.log" || fail "the fenced holder's fio saw no error"
+	echo "the fenced holder's rblk-attach exited with an error, its fio failed (exit $rc): $(grep -m1 '^rblk-attach:' "$LOGS/holder.log")"
 	[ "$(m rblkd_takeovers_total)" = 1 ] || fail "takeover not counted"
 	# The new holder writes the whole volume, and detaches (flush).
 	head -c $((size << 20)) /dev/zero | tr '\0' 'B' | dd of="$dev_b" bs=1M oflag=direct status=none || fail "write on the new holder"
