@@ -126,7 +126,9 @@ func (s *session) reply(tag uint64, m protocol.Message) {
 func (s *session) replyErr(tag uint64, op string, err error) {
 	code := protocol.CodeOf(err)
 	s.t.m.errors.WithLabelValues(op).Inc()
-	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm {
+	// (Refused opens and stale requests are logged where they are refused,
+	// with the host, or are the initiator's business.)
+	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm && code != protocol.CodeAccess {
 		s.log.Warn("request failed", zap.String("op", op), zap.Error(err))
 	}
 	s.reply(tag, protocol.ErrorFor(err))
