@@ -70,7 +70,7 @@ func waitDown(t *testing.T, l *link.Link, what string) {
 	}
 }
 
-// labeled returns the value of the counter name{label=value}, 0 if absent.
+// labeled returns the value of the counter or gauge name{label=value}, 0 if absent.
 func labeled(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
 	t.Helper()
 	mfs, err := reg.Gather()
@@ -84,7 +84,7 @@ func labeled(t *testing.T, reg *prometheus.Registry, name, label, value string) 
 		for _, m := range mf.GetMetric() {
 			for _, lp := range m.GetLabel() {
 				if lp.GetName() == label && lp.GetValue() == value {
-					return m.GetCounter().GetValue()
+					return m.GetCounter().GetValue() + m.GetGauge().GetValue()
 				}
 			}
 		}
@@ -232,6 +232,9 @@ func TestSessionLimits(t *testing.T) {
 	}
 	if _, err := e.connect("host-a", nil); err != nil {
 		t.Fatal(err)
+	}
+	if v := labeled(t, reg, "rblkd_host_sessions", "host_id", "host-a"); v != 2 {
+		t.Fatalf("rblkd_host_sessions{host_id=\"host-a\"} = %v, want 2", v)
 	}
 	_, err := e.connect("host-a", nil)
 	if !errors.Is(err, protocol.ErrBusy) || !strings.Contains(err.Error(), `host "host-a" has 2 sessions`) {

@@ -16,6 +16,7 @@ type Metrics struct {
 	authFailures   *prometheus.CounterVec
 	refused        *prometheus.CounterVec
 	takeovers      prometheus.Counter
+	hostSessions   *prometheus.GaugeVec
 	evictions      prometheus.Counter
 	loads          prometheus.Counter
 	loadBytes      prometheus.Counter
@@ -51,6 +52,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Sessions refused by authentication, by reason: unknown_host, no_secret, wrong_secret, unauthenticated_request, timeout."}, []string{"reason"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "refused_total",
 			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, not_allowed, writer_busy."}, []string{"reason"}),
+		hostSessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "host_sessions",
+			Help: "Sessions now, by the host ID they authenticated (or, without an auth file, named) as."}, []string{"host_id"}),
 		takeovers: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "takeovers_total",
 			Help: "Exclusive exports taken over from another host (its session fenced)."}),
 		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache."}),
@@ -66,7 +69,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
-			m.authFailures, m.refused, m.takeovers,
+			m.authFailures, m.refused, m.takeovers, m.hostSessions,
 			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
 			m.flushSeconds, m.cacheUsed, m.cacheBudget)
 	}

@@ -328,6 +328,9 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	if s.counted {
 		if t.perHost[s.countedHost]--; t.perHost[s.countedHost] <= 0 {
 			delete(t.perHost, s.countedHost)
+			t.m.hostSessions.DeleteLabelValues(s.countedHost)
+		} else {
+			t.m.hostSessions.WithLabelValues(s.countedHost).Set(float64(t.perHost[s.countedHost]))
 		}
 	}
 	t.mu.Unlock()
@@ -522,6 +525,7 @@ func (t *Target) admitHost(s *session, host string) error {
 		return fmt.Errorf("host %q has %d sessions, the most one host may have: %w", host, t.perHost[host], protocol.ErrBusy)
 	}
 	t.perHost[host]++
+	t.m.hostSessions.WithLabelValues(host).Set(float64(t.perHost[host]))
 	s.countedHost, s.counted = host, true
 	return nil
 }
