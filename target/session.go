@@ -542,17 +542,8 @@ func (s *session) dropGrants(ov *openVol) {
 	}
 }
 
-// fence stops every grant of the session at once, for a reinstatement:
-// its handles are marked stale (Done and Flush refused), no new grant is
-// given, and every grant it holds is deregistered, so that an RDMA
-// operation still in flight on its connection cannot reach the memory.
-func (s *session) fence() {
-	s.markFenced()
-	s.dropFencedGrants()
-}
-
-// markFenced is the first half of fence: the session's handles are stale
-// and it gets no new grant.
+// markFenced is the first half of fencing the session (Target.fence): its
+// handles are stale (Done and Flush refused) and it gets no new grant.
 func (s *session) markFenced() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -562,7 +553,9 @@ func (s *session) markFenced() {
 	}
 }
 
-// dropFencedGrants is the second half: every grant is invalidated.
+// dropFencedGrants is the second half: every grant it holds is
+// invalidated, so that an RDMA operation still in flight on its
+// connection cannot reach the memory.
 func (s *session) dropFencedGrants() {
 	s.mu.Lock()
 	chunks := s.chunks
