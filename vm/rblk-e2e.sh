@@ -154,7 +154,11 @@ attach() {
 	APID=$!
 	pids+=("$APID")
 	deadline=$(($(date +%s) + 60))
-	until [ "$(blockdev --getsize64 "$DEV" 2>/dev/null)" = "$size" ]; do
+	# Not a look at the device before the kernel has it connected (its
+	# pid in sysfs): on 6.1 an open of an unconfigured /dev/nbdN makes it
+	# a configuration, and rblk-attach's NBD_CMD_CONNECT then fails with
+	# EBUSY ("attached already").
+	until [ -e "/sys/block/${DEV#/dev/}/pid" ] && [ "$(blockdev --getsize64 "$DEV" 2>/dev/null)" = "$size" ]; do
 		if ! running "$APID"; then
 			rc=0
 			wait "$APID" || rc=$?
