@@ -72,19 +72,12 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	const remote = transport.AccessRemoteRead | transport.AccessRemoteWrite
 	r, ok := reg.(*region)
-	switch {
-	case !ok || r == nil || r.c != c:
+	if !ok || r == nil || r.c != c {
 		return nil, errors.New("bind window: the region is not one of this connection")
-	case access == 0 || access&^remote != 0:
-		return nil, fmt.Errorf("bind window: access %v: want remote-read, remote-write or both", access)
-	case r.access&transport.AccessBindWindow == 0:
-		return nil, fmt.Errorf("bind window: the region was registered with %v, without bind-window", r.access)
-	case access&transport.AccessRemoteWrite != 0 && r.access&transport.AccessLocalWrite == 0:
-		return nil, errors.New("bind window: a writable window needs a region with local write access")
-	case off < 0 || length <= 0 || off > len(r.buf) || length > len(r.buf)-off:
-		return nil, fmt.Errorf("bind window: span [%d, %d+%d) outside the region of %d bytes", off, off, length, len(r.buf))
+	}
+	if err := transport.CheckBind(r, off, length, access); err != nil {
+		return nil, err
 	}
 	select {
 	case <-c.dying:
