@@ -17,19 +17,7 @@ import (
 func TestInvalidateWaitsForWrite(t *testing.T) {
 	l := listenTCP(t, Options{})
 	p, c := dialRaw(t, l)
-	mem, err := transport.AllocMemory(1<<20, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mem.Free()
-	r, err := c.Register(mem.Bytes(), transport.AccessLocalWrite|transport.AccessBindWindow)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := c.(transport.WindowBinder).BindWindow(context.Background(), r, 0, 1<<20, transport.AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
+	mem, w := writableWindow(t, c, 1<<20, 0, 1<<20)
 	// A WRITE of 256 KiB of which only the first half arrives: the reader
 	// is in the middle of placing it (it reads large payloads straight
 	// into the memory).
@@ -74,19 +62,7 @@ func TestInvalidateWaitsForWrite(t *testing.T) {
 func TestInvalidateAfterWrite(t *testing.T) {
 	l := listenTCP(t, Options{})
 	p, c := dialRaw(t, l)
-	mem, err := transport.AllocMemory(1<<16, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mem.Free()
-	r, err := c.Register(mem.Bytes(), transport.AccessLocalWrite|transport.AccessBindWindow)
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := c.(transport.WindowBinder).BindWindow(context.Background(), r, 4096, 4096, transport.AccessRemoteWrite)
-	if err != nil {
-		t.Fatal(err)
-	}
+	mem, w := writableWindow(t, c, 1<<16, 4096, 4096)
 	p.send(frameWrite, 0, 16, 1, w.Addr(), w.RKey(), 0, bytes.Repeat([]byte{1}, 16))
 	if h, _ := p.next(); h.typ() != frameAck || h.seq() != 1 {
 		t.Fatalf("got %v, want ACK 1", &h)
@@ -107,4 +83,24 @@ func TestInvalidateAfterWrite(t *testing.T) {
 	if mem.Bytes()[4096] != 1 {
 		t.Error("the refused WRITE changed the memory")
 	}
+}
+
+// writableWindow registers size bytes on c and binds a remotely writable
+// window over [off, off+length) of them.
+func writableWindow(t *testing.T, c transport.Conn, size, off, length int) (*transport.Memory, transport.Window) {
+	t.Helper()
+	mem, err := transport.AllocMemory(size, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mem.Free() })
+	r, err := c.Register(mem.Bytes(), transport.AccessLocalWrite|transport.AccessBindWindow)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.(transport.WindowBinder).BindWindow(context.Background(), r, off, length, transport.AccessRemoteWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mem, w
 }

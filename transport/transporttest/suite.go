@@ -548,6 +548,14 @@ func (e *env) refused(bad transport.WorkRequest, la transport.Region, rb transpo
 	abuf := e.region(e.a, 64, rw)
 	e.postRecv(e.b, recvRR(50, rbuf, 0, 64), recvRR(51, rbuf, 0, 64))
 	e.postRecv(e.a, recvRR(60, abuf, 0, 64))
+	e.refusedBetween(bad, la, rb)
+	e.broken(1, 2)
+}
+
+// refusedBetween posts [good WRITE, bad, good WRITE] from a and checks
+// they complete success, remote access error, flushed.
+func (e *env) refusedBetween(bad transport.WorkRequest, la, rb transport.Region) {
+	e.t.Helper()
 	good := rdmaWR(1, transport.OpWrite, la, 0, 8, rb, 0)
 	bad.ID = 2
 	after := rdmaWR(3, transport.OpWrite, la, 0, 8, rb, 0)
@@ -559,7 +567,6 @@ func (e *env) refused(bad transport.WorkRequest, la transport.Region, rb transpo
 		e.t.Errorf("completion error %v does not match ErrRemoteAccess", err)
 	}
 	e.check(got[2], 3, transport.OpWrite, transport.StatusFlushed)
-	e.broken(1, 2)
 }
 
 func testBadRKey(e *env) {

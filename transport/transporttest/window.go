@@ -301,17 +301,7 @@ func testWindowBindChecks(e *env) {
 // complete success, remote access error, flushed, and that b broke.
 func (e *env) refusedWindow(p *poller, bad transport.WorkRequest, la, rb transport.Region) {
 	e.t.Helper()
-	good := rdmaWR(1, transport.OpWrite, la, 0, 8, rb, 0)
-	bad.ID = 2
-	after := rdmaWR(3, transport.OpWrite, la, 0, 8, rb, 0)
-	e.postSend(e.a, good, bad, after)
-	got := e.wait(e.a, 3)
-	e.check(got[0], 1, transport.OpWrite, transport.StatusSuccess)
-	e.check(got[1], 2, bad.Op, transport.StatusRemoteAccessError)
-	if err := got[1].Err(); !errors.Is(err, transport.ErrRemoteAccess) {
-		e.t.Errorf("completion error %v does not match ErrRemoteAccess", err)
-	}
-	e.check(got[2], 3, transport.OpWrite, transport.StatusFlushed)
+	e.refusedBetween(bad, la, rb)
 	select {
 	case <-p.done:
 	case <-time.After(waitTimeout):
