@@ -18,10 +18,11 @@ import (
 )
 
 // dialAs opens the export as host with a raw client whose handler answers
-// revokes (unless ignoreRevokes), after ackDelay.
+// revokes (unless ignoreRevokes), after ackDelay, and tells c.revoked.
 func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*client, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	revoked := make(chan uint64, 64)
 	var l *link.Link
 	ready := make(chan struct{})
 	l, err := link.Dial(ctx, e.p, e.addr, link.Options{Handler: func(h protocol.Header, p []byte) {
@@ -36,7 +37,12 @@ func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*
 			case <-l.Done():
 				return
 			}
-			l.Send(context.Background(), h.Tag, &protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation})
+			if l.Send(context.Background(), h.Tag, &protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}) == nil {
+				select {
+				case revoked <- r.Offset:
+				default:
+				}
+			}
 		}()
 	}})
 	if err != nil {
@@ -44,7 +50,7 @@ func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*
 	}
 	close(ready)
 	e.t.Cleanup(func() { l.Close() })
-	c := &client{Link: l}
+	c := &client{Link: l, revoked: revoked}
 	if _, err := auth.Initiate(ctx, l, host, nil); err != nil {
 		return nil, err
 	}

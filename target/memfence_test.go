@@ -9,9 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/protocol"
-	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
 )
@@ -110,33 +108,8 @@ func TestRKeyAfterClose(t *testing.T) {
 
 func TestRKeyAfterRevoke(t *testing.T) {
 	e := fenceEnv(t, true)
-	revoked := make(chan uint64, 64)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	var l *link.Link
-	ready := make(chan struct{})
-	l, err := link.Dial(ctx, e.p, e.addr, link.Options{Handler: func(h protocol.Header, p []byte) {
-		<-ready
-		var r protocol.Revoke
-		if h.Type != protocol.TypeRevoke || r.Unmarshal(p) != nil {
-			return
-		}
-		go func() {
-			if l.Send(context.Background(), h.Tag, &protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}) == nil {
-				revoked <- r.Offset
-			}
-		}()
-	}})
+	c, err := e.dialAs("host-a", false, 0)
 	if err != nil {
-		t.Fatal(err)
-	}
-	close(ready)
-	defer l.Close()
-	if _, err := auth.Initiate(ctx, l, "host-a", nil); err != nil {
-		t.Fatal(err)
-	}
-	c := &client{Link: l}
-	if err := l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol"}, &c.info); err != nil {
 		t.Fatal(err)
 	}
 	g := grantOf(t, c, 0, true)
@@ -144,7 +117,7 @@ func TestRKeyAfterRevoke(t *testing.T) {
 	for i := uint64(1); ; i++ {
 		grantOf(t, c, i%32*fenceChunk, false)
 		select {
-		case off := <-revoked:
+		case off := <-c.revoked:
 			if off != 0 {
 				continue
 			}

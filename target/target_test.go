@@ -145,6 +145,9 @@ func startWith(t *testing.T, content []byte, opts target.Options, export target.
 type client struct {
 	*link.Link
 	info protocol.VolumeInfo
+	// revoked gets the offset of each revoke dialAs's client acknowledged
+	// (while it has room).
+	revoked chan uint64
 }
 
 func (e *env) dial(mode protocol.Mode) (*client, error) {
