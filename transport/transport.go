@@ -297,6 +297,18 @@ type WorkRequest struct {
 	RKey       uint32
 	// Imm is the immediate data of OpWriteImm.
 	Imm uint32
+	// Unsignaled asks for no completion when the request succeeds, as a
+	// work request without IBV_SEND_SIGNALED on a queue pair created with
+	// sq_sig_all = 0 (selective signaling). Send-queue completions come in
+	// order, so the successful completion of a later signaled request of
+	// the same Conn implies this one's success, and only then is its
+	// send-queue entry free again: of every SendQueueDepth requests in a
+	// row, the caller must signal at least the last. A request that does
+	// not succeed (its own failure, or StatusFlushed after the connection
+	// broke) completes with its status all the same, so that after a
+	// failure every unsignaled request that did not succeed is reported;
+	// those that succeeded before the failure are not.
+	Unsignaled bool
 }
 
 // RecvRequest posts a receive buffer, which needs AccessLocalWrite.
@@ -356,6 +368,31 @@ type Conn interface {
 	// flight complete with StatusFlushed; buffers of operations in flight
 	// are no longer touched once Close returns. Close is safe to call twice.
 	Close() error
+}
+
+// CompletionHandler is implemented by a Conn that can deliver its
+// completions by calling a function, on the goroutine where they arise,
+// instead of through Poll: the software provider, whose completions arise
+// on the goroutine reading its stream. A caller whose completion handling
+// never blocks saves a goroutine switch per completion with it. A verbs
+// Conn does not implement it: there Poll's goroutine is where completions
+// arise.
+type CompletionHandler interface {
+	// HandleCompletions makes the Conn call fn with the completions that
+	// arise from then on, in the order Poll would return them, instead of
+	// queueing them for Poll; completions already queued are delivered
+	// first. It is called at most once per Conn, before Poll is ever
+	// called; Poll must not be called after it.
+	//
+	// fn is called from one goroutine at a time, with no lock of the Conn
+	// held, so it may post, register and close; it must not block (a
+	// PostSend that waits for room, a wait for another completion), since
+	// the Conn executes nothing of its peer's while fn runs. cs is only
+	// valid during the call. Once the connection is closed or broken and
+	// every completion has been delivered, fn is called one last time with
+	// a nil cs and an error matching ErrClosed (or ErrDeviceRemoved), and
+	// never again.
+	HandleCompletions(fn func(cs []Completion, err error))
 }
 
 // Limits are the sizes of a connection's queues.
