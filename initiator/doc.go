@@ -32,7 +32,9 @@
 // # Usage
 //
 //	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: addr, Export: "vol0", HostID: id})
-//	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{v.NBDExport("vol0")}})
+//	// v is a blockdev.Backend (and Submitter): serve it with a front end,
+//	// such as package nbd's server.
+//	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{{Name: "vol0", Size: v.Size(), Backend: v, ...}}})
 //	go srv.Serve(ctx, listener)
 //	...
 //	srv.Close()

@@ -7,7 +7,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
@@ -143,7 +143,7 @@ func (v *Volume) check(off, n uint64) error {
 }
 
 // Alloc lends registered memory for a request of n bytes.
-func (v *Volume) Alloc(ctx context.Context, n int) (*nbd.Buffer, error) {
+func (v *Volume) Alloc(ctx context.Context, n int) (*blockdev.Buffer, error) {
 	b, err := v.pool.alloc(ctx, n)
 	if err != nil {
 		return nil, err
@@ -152,7 +152,7 @@ func (v *Volume) Alloc(ctx context.Context, n int) (*nbd.Buffer, error) {
 }
 
 // Free gives a buffer back.
-func (v *Volume) Free(nb *nbd.Buffer) { v.pool.release(nb.Priv.(*ioBuf)) }
+func (v *Volume) Free(nb *blockdev.Buffer) { v.pool.release(nb.Priv.(*ioBuf)) }
 
 func bufLen(b *ioBuf) uint64 {
 	var n uint64
@@ -163,13 +163,13 @@ func bufLen(b *ioBuf) uint64 {
 }
 
 // ReadAt reads into b from the volume at off with RDMA READs.
-func (v *Volume) ReadAt(ctx context.Context, nb *nbd.Buffer, off uint64) error {
+func (v *Volume) ReadAt(ctx context.Context, nb *blockdev.Buffer, off uint64) error {
 	return v.io(ctx, nb.Priv.(*ioBuf), off, false, false)
 }
 
 // WriteAt writes b at off with RDMA WRITEs, then tells the target with a
 // Done message; with fua it waits until the target made the range durable.
-func (v *Volume) WriteAt(ctx context.Context, nb *nbd.Buffer, off uint64, fua bool) error {
+func (v *Volume) WriteAt(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool) error {
 	if v.ReadOnly() {
 		return fmt.Errorf("write to read-only volume %q: %w", v.opts.Export, syscall.EPERM)
 	}

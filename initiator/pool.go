@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 )
@@ -24,9 +24,9 @@ type bufPool struct {
 	bufs sync.Pool
 }
 
-// ioBuf is an nbd.Buffer with the state of one request, pooled.
+// ioBuf is an blockdev.Buffer with the state of one request, pooled.
 type ioBuf struct {
-	nbd.Buffer
+	blockdev.Buffer
 	slots  []int
 	ops    []link.Op
 	grants []*grant

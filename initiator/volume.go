@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/auth"
-	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
@@ -87,7 +87,7 @@ type Options struct {
 	Metrics *Metrics
 }
 
-// Volume is an open remote volume. It implements nbd.Backend: reads are
+// Volume is an open remote volume. It implements blockdev.Backend: reads are
 // RDMA READs from granted chunks of the target's memory, writes are RDMA
 // WRITEs followed by a Done message.
 //
@@ -122,7 +122,7 @@ type Volume struct {
 	closeErr  error
 }
 
-var _ nbd.Backend = (*Volume)(nil)
+var _ blockdev.Backend = (*Volume)(nil)
 
 // ErrClosed is returned by IO on a closed volume.
 var ErrClosed = errors.New("volume closed")
@@ -280,14 +280,7 @@ func List(ctx context.Context, p transport.Provider, addr, hostID string, secret
 	return el.Exports, nil
 }
 
-// NBDExport describes v as an NBD export named name.
-func (v *Volume) NBDExport(name string) *nbd.Export {
-	f := v.Flags()
-	return &nbd.Export{
-		Name: name, Description: fmt.Sprintf("rblk volume %q on %s", v.opts.Export, v.opts.Target),
-		Size: v.info.VolumeSize, ReadOnly: v.ReadOnly(),
-		CanTrim: !v.ReadOnly() && f&protocol.VolCanTrim != 0, CanZero: !v.ReadOnly() && f&protocol.VolCanZero != 0,
-		CanFlush: true, CanFUA: !v.ReadOnly(), MultiConn: true,
-		MinBlock: 1, PrefBlock: 4096, MaxBlock: MaxRequest, Backend: v,
-	}
+// Description names the volume and its target, for a front end to show.
+func (v *Volume) Description() string {
+	return fmt.Sprintf("rblk volume %q on %s", v.opts.Export, v.opts.Target)
 }

@@ -164,7 +164,7 @@ func attach(f attachFlags) error {
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
 	}
-	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{vol.NBDExport(f.export)}, Logger: log,
+	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{nbdExport(vol, f.export)}, Logger: log,
 		Metrics: nbd.NewMetrics(reg)})
 	if err != nil {
 		vol.Close(context.Background())
@@ -287,4 +287,15 @@ func humanSize(n uint64) string {
 		exp++
 	}
 	return fmt.Sprintf("%.1f%ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+// nbdExport describes vol as an NBD export named name.
+func nbdExport(vol *initiator.Volume, name string) *nbd.Export {
+	f, ro := vol.Flags(), vol.ReadOnly()
+	return &nbd.Export{
+		Name: name, Description: vol.Description(), Size: vol.Size(), ReadOnly: ro,
+		CanTrim: !ro && f&protocol.VolCanTrim != 0, CanZero: !ro && f&protocol.VolCanZero != 0,
+		CanFlush: true, CanFUA: !ro, MultiConn: true,
+		MinBlock: 1, PrefBlock: 4096, MaxBlock: initiator.MaxRequest, Backend: vol,
+	}
 }

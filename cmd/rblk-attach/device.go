@@ -87,7 +87,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 		timeout = f.reconnectTimeout + time.Minute
 	}
 	actx, acancel := context.WithTimeout(ctx, 30*time.Second)
-	dev, err := kernel.Attach(actx, kernel.Options{Export: vol.NBDExport(f.export), Server: srv, Device: f.dev.device,
+	dev, err := kernel.Attach(actx, kernel.Options{Export: nbdExport(vol, f.export), Server: srv, Device: f.dev.device,
 		Connections: f.dev.connections, Timeout: timeout, Backend: "rblk:" + f.export + "@" + f.target, Logger: log})
 	acancel()
 	if err != nil {

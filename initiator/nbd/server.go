@@ -11,38 +11,16 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/initiator/blockdev"
 )
 
-// Buffer is memory the backend lends for one request: the payload of a WRITE
-// is read from the socket straight into Segs, a READ reply is written from
-// Segs (writev); the total length of Segs equals the request length. In rblk
-// it is backed by RDMA-registered memory, so the server never copies.
-type Buffer struct {
-	Segs [][]byte
-	Priv any
-}
-
-// Backend is the storage behind an export. Its methods are called
-// concurrently, from several requests of one connection and from several
-// connections of a multi-conn export.
-type Backend interface {
-	// Alloc lends a buffer of exactly n bytes (0 < n ≤ Export.MaxBlock),
-	// waiting while the backend's pool is exhausted (ctx ends the wait).
-	// Free returns it.
-	Alloc(ctx context.Context, n int) (*Buffer, error)
-	Free(b *Buffer)
-	// ReadAt fills b with the bytes at off.
-	ReadAt(ctx context.Context, b *Buffer, off uint64) error
-	// WriteAt stores b at off; with fua the data is durable on return.
-	WriteAt(ctx context.Context, b *Buffer, off uint64, fua bool) error
-	// Flush makes every write that returned before it was called durable.
-	Flush(ctx context.Context) error
-	// Trim discards a range (a hint: reads may return old data or zeroes).
-	Trim(ctx context.Context, off, length uint64, fua bool) error
-	// WriteZeroes makes a range read back as zeroes; with noHole the space
-	// stays allocated.
-	WriteZeroes(ctx context.Context, off, length uint64, noHole, fua bool) error
-}
+// Buffer and Backend are the block-device contract (package blockdev), named
+// here for the NBD server's users.
+type (
+	Buffer  = blockdev.Buffer
+	Backend = blockdev.Backend
+)
 
 // Export is one volume offered by the server.
 type Export struct {

@@ -1,0 +1,74 @@
+package blockdev
+
+import "context"
+
+// Buffer is memory the backend lends for one request: the payload of a
+// write is read from the front end's socket or queue straight into Segs,
+// the data of a read is sent from Segs; the total length of Segs equals
+// the request's length. In rblk it is memory registered for RDMA, so no
+// copy is made between the front end and the network.
+type Buffer struct {
+	Segs [][]byte
+	// Priv is the backend's: its state of the request.
+	Priv any
+}
+
+// Len is the sum of the lengths of b's segments.
+func (b *Buffer) Len() int {
+	n := 0
+	for _, s := range b.Segs {
+		n += len(s)
+	}
+	return n
+}
+
+// Backend is the storage behind a block device. Its methods are called
+// concurrently, from several requests of one connection or queue and from
+// several connections or queues.
+type Backend interface {
+	// Alloc lends a buffer of exactly n bytes (0 < n ≤ the front end's
+	// largest request), waiting while the backend's pool is exhausted
+	// (ctx ends the wait). Free returns it, once the front end no longer
+	// touches its memory.
+	Alloc(ctx context.Context, n int) (*Buffer, error)
+	Free(b *Buffer)
+	// ReadAt fills b with the bytes at off.
+	ReadAt(ctx context.Context, b *Buffer, off uint64) error
+	// WriteAt stores b at off; with fua the data is durable on return.
+	WriteAt(ctx context.Context, b *Buffer, off uint64, fua bool) error
+	// Flush makes every write that returned before it was called durable.
+	Flush(ctx context.Context) error
+	// Trim discards a range (a hint: reads may return old data or zeroes).
+	Trim(ctx context.Context, off, length uint64, fua bool) error
+	// WriteZeroes makes a range read back as zeroes; with noHole the space
+	// stays allocated.
+	WriteZeroes(ctx context.Context, off, length uint64, noHole, fua bool) error
+}
+
+// Completion is told the end of a request started with a Submitter.
+type Completion interface {
+	// Complete reports the request's result: nil, or why it failed (an
+	// error wrapping a syscall.Errno the front end can report). It is
+	// called exactly once per request, from any goroutine: the one that
+	// submitted, possibly before Submit returned, or the backend's
+	// completion path, which it must not block (no waiting for a socket
+	// or a lock held across IO).
+	Complete(err error)
+}
+
+// Submitter is implemented by a Backend that can start a read or a write
+// and report its end later, run to completion: the usual request is
+// started on the front end's reader and finished on the backend's
+// completion path, with no goroutine switch in between. A request that
+// cannot go that way (it needs something fetched first, a connection is
+// being re-established) is carried on by the backend in a goroutine of its
+// own; the front end does not see the difference.
+type Submitter interface {
+	// SubmitRead starts reading b at off into b; c.Complete is called
+	// once with the result. It may block as a backpressure (the backend's
+	// queues are full), never for the request's own IO.
+	SubmitRead(ctx context.Context, b *Buffer, off uint64, c Completion)
+	// SubmitWrite starts writing b at off, as WriteAt; c.Complete is
+	// called once with the result.
+	SubmitWrite(ctx context.Context, b *Buffer, off uint64, fua bool, c Completion)
+}
