@@ -73,13 +73,34 @@ var (
 	ErrTimeout = errors.New("peer timed out")
 )
 
-// wrid kinds, in the top byte of a work request ID.
+// wrid kinds, in the top byte of a work request ID. An RDMA operation's ID
+// also carries its batch (bits 8-55) and, in its low byte, how many of the
+// batch's work requests its completion covers: the count of its piece for
+// the signaled last one, 0 for the unsignaled ones before it, whose
+// completions come only when they fail.
 const (
 	kindRecv = 1 << 56
 	kindSend = 2 << 56
 	kindRDMA = 3 << 56
 	kindMask = 0xff << 56
+
+	// maxPiece is the most work requests one signaled completion covers.
+	maxPiece = 0xff
 )
+
+// Callback is told the end of the operations started with Start.
+type Callback interface {
+	// OnComplete is called once, with nil or why the operations failed
+	// (an error wrapping ErrDown: an operation failed, or the link went
+	// down before they completed). It runs on the link's completion
+	// goroutine, or on Start's caller before Start returns, and must not
+	// block nor call Link methods that wait.
+	OnComplete(err error)
+}
+
+// ErrChainTooLong is returned by Start for more operations than one chain
+// may hold (MaxChain).
+var ErrChainTooLong = errors.New("link: chain longer than the send queue allows")
 
 // Op is one one-sided operation of a batch.
 type Op struct {
@@ -93,9 +114,12 @@ type Op struct {
 }
 
 type batch struct {
-	pending  int
+	id       uint64
+	pending  int // signaled work requests not completed yet
+	nops     int // RDMA operations of a chain ended by a SEND: freed with it
 	err      error
-	done     chan struct{}
+	done     chan struct{} // signalled at the end of a batch of RDMA
+	cb       Callback      // called instead at the end of a batch of Start
 	wrs      []transport.WorkRequest
 	deadline int64 // UnixNano after which the watchdog expires the link; 0: none
 }
@@ -139,11 +163,54 @@ type Link struct {
 	lastRecv atomic.Int64 // when the last message arrived (UnixNano)
 	pinging  atomic.Bool  // a KeepAlive request is in flight
 
+	slotBatch   []uint64 // per send slot: the batch a chained SEND ends, or 0
+	freeBatches []*batch // (mu) for reuse, so that no IO allocates
+	freeWaiters []*waiter
+
+	// Used by the completion goroutine only.
+	reposts []transport.RecvRequest // receive buffers to post again
+	ended   []*batch                // batches of Start to call back
+
 	closeOnce sync.Once
 	stop      context.CancelFunc
 	wg        sync.WaitGroup
-	batchPool sync.Pool
-	waitPool  sync.Pool
+}
+
+// getBatch takes a batch off the free list; putBatch gives it back.
+func (l *Link) getBatch() *batch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if n := len(l.freeBatches); n > 0 {
+		b := l.freeBatches[n-1]
+		l.freeBatches = l.freeBatches[:n-1]
+		return b
+	}
+	return &batch{done: make(chan struct{}, 1)}
+}
+
+func (l *Link) putBatch(b *batch) {
+	b.cb, b.err = nil, nil
+	l.mu.Lock()
+	l.freeBatches = append(l.freeBatches, b)
+	l.mu.Unlock()
+}
+
+func (l *Link) getWaiter() *waiter {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if n := len(l.freeWaiters); n > 0 {
+		w := l.freeWaiters[n-1]
+		l.freeWaiters = l.freeWaiters[:n-1]
+		return w
+	}
+	return &waiter{done: make(chan struct{}, 1)}
+}
+
+func (l *Link) putWaiter(w *waiter) {
+	w.reply, w.err = nil, nil
+	l.mu.Lock()
+	l.freeWaiters = append(l.freeWaiters, w)
+	l.mu.Unlock()
 }
 
 const bufSize = protocol.MaxMessageSize
@@ -181,8 +248,7 @@ func setup(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	opts.SendBuffers = l.opts.SendBuffers
 	l.sqRoom = depth - opts.SendBuffers
 	l.lastRecv.Store(time.Now().UnixNano())
-	l.batchPool.New = func() any { return &batch{done: make(chan struct{}, 1)} }
-	l.waitPool.New = func() any { return &waiter{done: make(chan struct{}, 1)} }
+	l.slotBatch = make([]uint64, opts.SendBuffers)
 	n := opts.RecvBuffers + opts.SendBuffers
 	mem, err := transport.AllocMemory(n*bufSize, false)
 	if err != nil {
@@ -221,7 +287,14 @@ func (l *Link) start() {
 	ctx, cancel := context.WithCancel(context.Background())
 	l.stop = cancel
 	l.wg.Add(2)
-	go l.pollLoop(ctx)
+	if ch, ok := l.conn.(transport.CompletionHandler); ok {
+		// Completions arrive on the provider's goroutine: no switch to a
+		// poller. The last call (with ErrClosed) ends this side as
+		// pollLoop's return does.
+		ch.HandleCompletions(l.handleCompletions)
+	} else {
+		go l.pollLoop(ctx)
+	}
 	go l.serviceLoop(ctx)
 	l.wg.Add(1)
 	go l.watchLoop(ctx)
@@ -422,13 +495,13 @@ func (l *Link) Request(ctx context.Context, m protocol.Message, reply protocol.M
 // RequestWithin is Request with its own timeout instead of
 // Options.RequestTimeout (zero: none).
 func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m protocol.Message, reply protocol.Message) error {
-	w := l.waitPool.Get().(*waiter)
+	w := l.getWaiter()
 	w.reply, w.err = reply, nil
 	l.mu.Lock()
 	if l.down != nil {
 		err := l.down
 		l.mu.Unlock()
-		l.waitPool.Put(w)
+		l.putWaiter(w)
 		return err
 	}
 	l.nextTag++
@@ -448,7 +521,7 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 		if !mine { // fail() or a reply already signalled it
 			<-w.done
 		}
-		l.waitPool.Put(w)
+		l.putWaiter(w)
 		return err
 	}
 	// The watchdog (see watchLoop) takes the link down at w.deadline,
@@ -456,8 +529,7 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 	select {
 	case <-w.done:
 		err := w.err
-		w.reply = nil
-		l.waitPool.Put(w)
+		l.putWaiter(w)
 		return err
 	case <-ctx.Done():
 		l.mu.Lock()
@@ -466,7 +538,7 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 		l.mu.Unlock()
 		if !mine {
 			<-w.done // signalled concurrently: drain before reuse
-			l.waitPool.Put(w)
+			l.putWaiter(w)
 		}
 		return ctx.Err()
 	}
@@ -486,11 +558,16 @@ func (l *Link) expire(err error) {
 }
 
 // reserveSQ takes up to want entries of the send queue's room for RDMA
-// operations, at least one, waiting while there is none.
-func (l *Link) reserveSQ(ctx context.Context, want int) (int, error) {
+// operations, at least one (all of them if all), waiting while there is
+// not that much.
+func (l *Link) reserveSQ(ctx context.Context, want int, all bool) (int, error) {
+	need := 1
+	if all {
+		need = want
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.down == nil && l.sqRoom > 0 && l.sqWaiters == 0 {
+	if l.down == nil && l.sqRoom >= need && l.sqWaiters == 0 {
 		k := min(want, l.sqRoom)
 		l.sqRoom -= k
 		return k, nil
@@ -510,7 +587,7 @@ func (l *Link) reserveSQ(ctx context.Context, want int) (int, error) {
 		if err := ctx.Err(); err != nil {
 			return 0, err
 		}
-		if l.sqRoom > 0 {
+		if l.sqRoom >= need {
 			k := min(want, l.sqRoom)
 			l.sqRoom -= k
 			return k, nil
@@ -526,7 +603,7 @@ func (l *Link) reserveSQ(ctx context.Context, want int) (int, error) {
 // (their buffers are in the provider's hands): ctx only bounds the wait
 // before posting, and Options.RequestTimeout the wait for completions,
 // after which the link goes down with ErrTimeout. An operation's failure
-// breaks the link.
+// breaks the link. Only the last work request of each piece is signaled.
 func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	if len(ops) == 0 {
 		return nil
@@ -534,76 +611,204 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	b := l.batchPool.Get().(*batch)
-	b.err = nil
-	b.pending = len(ops)
-	b.deadline = 0
-	if l.opts.RequestTimeout > 0 {
-		b.deadline = time.Now().Add(l.opts.RequestTimeout).UnixNano()
-	}
+	b := l.getBatch()
+	b.pending = 1 // until every piece is posted, so that none ends it early
+	b.deadline = l.deadline()
 	l.mu.Lock()
 	if l.down != nil {
 		err := l.down
 		l.mu.Unlock()
-		l.batchPool.Put(b)
+		l.putBatch(b)
 		return err
 	}
 	l.nextBatch++
 	id := l.nextBatch & 0xffffffffffff
+	b.id = id
 	l.batches[id] = b
 	l.mu.Unlock()
+	var err error
 	for posted := 0; posted < len(ops); {
-		k, err := l.reserveSQ(ctx, len(ops)-posted)
-		if err == nil {
-			b.wrs = b.wrs[:0]
-			for i, op := range ops[posted : posted+k] {
-				wr := transport.WorkRequest{ID: kindRDMA | id<<8 | uint64((posted+i)&0xff), Local: op.Local,
-					RemoteAddr: op.Addr, RKey: op.RKey, Op: transport.OpRead}
-				if op.Write {
-					wr.Op = transport.OpWrite
-				}
-				b.wrs = append(b.wrs, wr)
-			}
-			if err = l.conn.PostSend(b.wrs...); err != nil {
-				l.releaseSQ(k)
-				if !errors.Is(err, transport.ErrQueueFull) {
-					l.fail(fmt.Errorf("post rdma: %w", err))
-					err = l.Err()
-				}
-			}
+		var k int
+		if k, err = l.reserveSQ(ctx, min(len(ops)-posted, maxPiece), false); err != nil {
+			break
 		}
-		if err != nil {
-			// The rest is not posted: what was posted completes in
-			// its own time, then b.done is signalled.
-			l.abandon(id, b, len(ops)-posted, err)
+		b.wrs = b.wrs[:0]
+		for i, op := range ops[posted : posted+k] {
+			b.wrs = append(b.wrs, rdmaWR(id, op, i == k-1, k))
+		}
+		l.mu.Lock()
+		b.pending++
+		l.mu.Unlock()
+		if err = l.conn.PostSend(b.wrs...); err != nil {
+			l.releaseSQ(k)
+			l.mu.Lock()
+			b.pending--
+			l.mu.Unlock()
+			if !errors.Is(err, transport.ErrQueueFull) {
+				l.fail(fmt.Errorf("post rdma: %w", err))
+				err = l.Err()
+			}
 			break
 		}
 		posted += k
 	}
-	// The watchdog takes the link down at b.deadline; the poll loop then
-	// ends with the connection and fails b.
+	// The rest is not posted: what was posted completes in its own time,
+	// then b.done is signalled. The watchdog takes the link down at
+	// b.deadline; the poll loop then ends with the connection and fails b.
+	l.mu.Lock()
+	if err != nil && b.err == nil {
+		b.err = err
+	}
+	if l.batches[id] == b {
+		b.pending--
+		if b.pending == 0 {
+			delete(l.batches, id)
+			b.done <- struct{}{}
+		}
+	}
+	l.mu.Unlock()
 	<-b.done
-	err := b.err
-	l.batchPool.Put(b)
+	err = b.err
+	l.putBatch(b)
 	return err
 }
 
-// abandon takes n operations of batch id that will never be posted out of
-// its count, with err.
-func (l *Link) abandon(id uint64, b *batch, n int, err error) {
+// rdmaWR is the work request of op in batch id; last marks the signaled
+// end of a piece of k work requests.
+func rdmaWR(id uint64, op Op, last bool, k int) transport.WorkRequest {
+	wr := transport.WorkRequest{ID: kindRDMA | id<<8, Local: op.Local, RemoteAddr: op.Addr, RKey: op.RKey,
+		Op: transport.OpRead, Unsignaled: !last}
+	if op.Write {
+		wr.Op = transport.OpWrite
+	}
+	if last {
+		wr.ID |= uint64(k)
+	}
+	return wr
+}
+
+func (l *Link) deadline() int64 {
+	if l.opts.RequestTimeout > 0 {
+		return time.Now().Add(l.opts.RequestTimeout).UnixNano()
+	}
+	return 0
+}
+
+// MaxChain is the most operations Start takes at once.
+func (l *Link) MaxChain() int {
+	return min(maxPiece, l.conn.Limits().SendQueueDepth-l.opts.SendBuffers)
+}
+
+// Start posts ops as one chain of work requests, followed in the same chain
+// by msg (a one-way message) unless msg is nil, and returns without
+// waiting for them: cb.OnComplete is called once they all completed. With
+// msg, that is when the SEND completed, which on a reliable connection
+// means the operations before it were executed by the peer, so a write's
+// data is in place before its Done is seen. Only the last work request is
+// signaled.
+//
+// It waits (with ctx) for room in the send queue for all of ops, and for
+// a send slot and a credit for msg. If it returns an error, nothing was
+// posted and cb will not be called. len(ops) may not exceed MaxChain.
+// Options.RequestTimeout bounds the wait for the completions, as for RDMA.
+func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops ...Op) error {
+	if len(ops) > l.MaxChain() {
+		return fmt.Errorf("%w: %d operations", ErrChainTooLong, len(ops))
+	}
+	if len(ops) == 0 && msg == nil {
+		cb.OnComplete(nil)
+		return nil
+	}
+	slot := -1
+	if msg != nil {
+		var err error
+		if slot, err = l.acquire(ctx, false); err != nil {
+			return err
+		}
+	}
+	if len(ops) > 0 {
+		if _, err := l.reserveSQ(ctx, len(ops), true); err != nil {
+			if slot >= 0 {
+				l.unacquire(slot)
+			}
+			return err
+		}
+	}
+	b := l.getBatch()
+	b.cb, b.pending, b.nops, b.deadline = cb, 1, 0, l.deadline()
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.batches[id] != b {
-		return // failBatches already completed it
+	if l.down != nil {
+		err := l.down
+		l.sqRoom += len(ops)
+		if slot >= 0 {
+			l.freeSend = append(l.freeSend, slot)
+		}
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		l.putBatch(b)
+		return err
 	}
-	if b.err == nil {
-		b.err = err
+	l.nextBatch++
+	id := l.nextBatch & 0xffffffffffff
+	b.id = id
+	b.wrs = b.wrs[:0]
+	for i, op := range ops {
+		b.wrs = append(b.wrs, rdmaWR(id, op, msg == nil && i == len(ops)-1, len(ops)))
 	}
-	b.pending -= n
-	if b.pending == 0 {
+	credits := 0
+	if msg != nil {
+		// Encoded and posted under the lock, as post does, so that the
+		// credits announced and the send order agree.
+		buf := l.sendRegion.Bytes()[slot*bufSize : (slot+1)*bufSize]
+		credits = min(l.toReturn, 0xffff)
+		out, err := protocol.Append(buf[:0], uint16(credits), 0, msg)
+		if err != nil {
+			l.sqRoom += len(ops)
+			l.freeSend = append(l.freeSend, slot)
+			l.credits++
+			l.cond.Broadcast()
+			l.mu.Unlock()
+			l.putBatch(b)
+			return fmt.Errorf("encode %v: %w", msg.Type(), err)
+		}
+		l.toReturn -= credits
+		b.nops = len(ops)
+		l.slotBatch[slot] = id
+		b.wrs = append(b.wrs, transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
+			Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
+	}
+	l.batches[id] = b
+	err := l.conn.PostSend(b.wrs...)
+	if err != nil {
 		delete(l.batches, id)
-		b.done <- struct{}{}
+		l.sqRoom += len(ops)
+		if slot >= 0 {
+			l.slotBatch[slot] = 0
+			l.toReturn += credits
+			l.freeSend = append(l.freeSend, slot)
+			l.credits++
+		}
+		l.cond.Broadcast()
 	}
+	l.mu.Unlock()
+	if err != nil {
+		l.putBatch(b)
+		if !errors.Is(err, transport.ErrQueueFull) {
+			l.fail(fmt.Errorf("post rdma: %w", err))
+			return l.Err()
+		}
+		return fmt.Errorf("post rdma: %w", err)
+	}
+	return nil
+}
+
+// unacquire gives back a send slot and its credit, unused.
+func (l *Link) unacquire(slot int) {
+	l.mu.Lock()
+	l.freeSend = append(l.freeSend, slot)
+	l.credits++
+	l.cond.Broadcast()
+	l.mu.Unlock()
 }
 
 func (l *Link) releaseSQ(n int) {
@@ -618,9 +823,7 @@ func (l *Link) pollLoop(ctx context.Context) {
 	comps := make([]transport.Completion, 64)
 	for {
 		n, err := l.conn.Poll(ctx, comps)
-		for i := range n {
-			l.complete(&comps[i])
-		}
+		l.completions(comps[:n])
 		if err != nil {
 			if errors.Is(err, transport.ErrClosed) || errors.Is(err, context.Canceled) {
 				l.fail(ErrDown)
@@ -633,18 +836,86 @@ func (l *Link) pollLoop(ctx context.Context) {
 	}
 }
 
+// handleCompletions is the transport.CompletionHandler's function: it does
+// what pollLoop does, on the provider's goroutine.
+func (l *Link) handleCompletions(cs []transport.Completion, err error) {
+	l.completions(cs)
+	if err != nil {
+		if errors.Is(err, transport.ErrClosed) {
+			l.fail(ErrDown)
+		} else {
+			l.fail(fmt.Errorf("poll: %w", err))
+		}
+		l.failBatches()
+		l.wg.Done()
+	}
+}
+
+// completions handles a batch of completions, then posts the receive
+// buffers they freed again in one call and calls back the batches of Start
+// that ended.
+func (l *Link) completions(cs []transport.Completion) {
+	for i := range cs {
+		l.complete(&cs[i])
+	}
+	if len(l.reposts) > 0 {
+		err := l.conn.PostRecv(l.reposts...)
+		n := len(l.reposts)
+		clear(l.reposts)
+		l.reposts = l.reposts[:0]
+		if err != nil {
+			l.fail(fmt.Errorf("repost receive: %w", err))
+		} else {
+			l.mu.Lock()
+			l.toReturn += n
+			signal := l.toReturn >= l.opts.RecvBuffers/2
+			l.mu.Unlock()
+			if signal {
+				select {
+				case l.creditSignal <- struct{}{}:
+				default:
+				}
+			}
+		}
+	}
+	l.callBack()
+}
+
+// callBack calls the callbacks of the batches that ended, outside l.mu.
+func (l *Link) callBack() {
+	for i, b := range l.ended {
+		cb, err := b.cb, b.err
+		l.ended[i] = nil
+		l.putBatch(b)
+		cb.OnComplete(err)
+	}
+	l.ended = l.ended[:0]
+}
+
+// endLocked ends batch b (l.mu held): its waiter is signalled, or its
+// callback queued for the completion goroutine.
+func (l *Link) endLocked(b *batch) {
+	delete(l.batches, b.id)
+	if b.cb != nil {
+		l.ended = append(l.ended, b)
+		return
+	}
+	b.done <- struct{}{}
+}
+
 // failBatches completes every RDMA batch still waiting once no more
 // completions can come.
 func (l *Link) failBatches() {
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	for id, b := range l.batches {
+	for _, b := range l.batches {
 		if b.err == nil {
 			b.err = l.down
 		}
-		delete(l.batches, id)
-		b.done <- struct{}{}
+		l.endLocked(b)
 	}
+	clear(l.slotBatch)
+	l.mu.Unlock()
+	l.callBack()
 }
 
 func (l *Link) complete(c *transport.Completion) {
@@ -662,6 +933,18 @@ func (l *Link) complete(c *transport.Completion) {
 		slot := int(c.ID &^ kindMask)
 		l.mu.Lock()
 		l.freeSend = append(l.freeSend, slot)
+		if id := l.slotBatch[slot]; id != 0 {
+			// The SEND that ends a chain of Start: the chain's
+			// operations before it are done too.
+			l.slotBatch[slot] = 0
+			if b := l.batches[id]; b != nil {
+				l.sqRoom += b.nops
+				if c.Status != transport.StatusSuccess && b.err == nil {
+					b.err = fmt.Errorf("%w: %w", ErrDown, c.Err())
+				}
+				l.endLocked(b)
+			}
+		}
 		l.cond.Broadcast()
 		l.mu.Unlock()
 		if c.Status != transport.StatusSuccess && c.Status != transport.StatusFlushed {
@@ -669,9 +952,10 @@ func (l *Link) complete(c *transport.Completion) {
 		}
 	case kindRDMA:
 		id := (c.ID &^ kindMask) >> 8
+		covers := int(c.ID & maxPiece)
 		l.mu.Lock()
-		l.sqRoom++
-		if l.sqWaiters > 0 {
+		l.sqRoom += covers
+		if l.sqWaiters > 0 && covers > 0 {
 			l.cond.Broadcast()
 		}
 		b := l.batches[id]
@@ -682,10 +966,14 @@ func (l *Link) complete(c *transport.Completion) {
 		if c.Status != transport.StatusSuccess && b.err == nil {
 			b.err = fmt.Errorf("%w: %w", ErrDown, c.Err())
 		}
-		b.pending--
-		if b.pending == 0 {
-			delete(l.batches, id)
-			b.done <- struct{}{}
+		// Unsignaled work requests complete only when they fail (or on
+		// a provider that signals every one): the batch waits for its
+		// signaled ones.
+		if covers > 0 {
+			b.pending--
+			if b.pending == 0 {
+				l.endLocked(b)
+			}
 		}
 		l.mu.Unlock()
 		if c.Status != transport.StatusSuccess && c.Status != transport.StatusFlushed {
@@ -758,22 +1046,14 @@ func (l *Link) receive(slot, n int) {
 		l.opts.Handler(h, payload)
 	}
 
-	// Give the buffer back and count it as a credit to return.
-	if err := l.conn.PostRecv(transport.RecvRequest{ID: kindRecv | uint64(slot),
-		Local: transport.SGE{Region: l.recvRegion, Offset: slot * bufSize, Length: bufSize}}); err != nil {
-		l.fail(fmt.Errorf("repost receive: %w", err))
-		return
-	}
-	l.mu.Lock()
-	l.toReturn++
-	signal := l.toReturn >= l.opts.RecvBuffers/2
-	l.mu.Unlock()
-	if signal {
-		select {
-		case l.creditSignal <- struct{}{}:
-		default:
-		}
-	}
+	// Give the buffer back (with the others of this batch of
+	// completions, see completions) and count it as a credit to return.
+	l.repost(slot)
+}
+
+func (l *Link) repost(slot int) {
+	l.reposts = append(l.reposts, transport.RecvRequest{ID: kindRecv | uint64(slot),
+		Local: transport.SGE{Region: l.recvRegion, Offset: slot * bufSize, Length: bufSize}})
 }
 
 func (l *Link) decodeReply(h protocol.Header, payload []byte, reply protocol.Message) error {
