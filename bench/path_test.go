@@ -116,3 +116,66 @@ func BenchmarkPath(b *testing.B) {
 		}
 	}
 }
+
+// chanCompletion hands a request's result to a channel.
+type chanCompletion chan error
+
+func (c chanCompletion) Complete(err error) { c <- err }
+
+// benchSubmit is benchIO through the run-to-completion path
+// (blockdev.Submitter), as the NBD server drives it.
+func benchSubmit(b *testing.B, write bool, bs int, depth int) {
+	const volSize = 64 << 20
+	v := setup(b, target.DefaultChunkSize, volSize)
+	ctx := context.Background()
+	b.SetBytes(int64(bs))
+	b.ReportAllocs()
+	b.ResetTimer()
+	var wg sync.WaitGroup
+	per := b.N / depth
+	for w := range depth {
+		n := per
+		if w == 0 {
+			n += b.N % depth
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf, err := v.Alloc(ctx, bs)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			defer v.Free(buf)
+			done := make(chanCompletion, 1)
+			off := uint64(w*bs) % volSize
+			for range n {
+				if write {
+					v.SubmitWrite(ctx, buf, off, false, done)
+				} else {
+					v.SubmitRead(ctx, buf, off, done)
+				}
+				if err := <-done; err != nil {
+					b.Error(err)
+					return
+				}
+				off = (off + uint64(depth*bs) + 12345*4096) % (volSize - uint64(bs))
+				off &^= 4095
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// BenchmarkSubmit is BenchmarkPath through SubmitRead and SubmitWrite.
+func BenchmarkSubmit(b *testing.B) {
+	for _, write := range []bool{false, true} {
+		for _, c := range []struct{ bs, depth int }{{4096, 1}, {4096, 32}, {1 << 20, 8}} {
+			op := "read"
+			if write {
+				op = "write"
+			}
+			b.Run(fmt.Sprintf("%s/bs=%d/qd=%d", op, c.bs, c.depth), func(b *testing.B) { benchSubmit(b, write, c.bs, c.depth) })
+		}
+	}
+}

@@ -110,7 +110,6 @@ func (s *session) ops(b *ioBuf, off, lo, hi uint64, write bool) {
 	b.ops = b.ops[:0]
 	cs := uint64(s.info.ChunkSize)
 	first := lo / cs
-	slot := s.v.pool.slotSize
 	pos := off
 	for si, seg := range b.Segs {
 		end := pos + uint64(len(seg))
@@ -125,7 +124,7 @@ func (s *session) ops(b *ioBuf, off, lo, hi uint64, write bool) {
 			g := b.grants[p/cs-first]
 			n := min(min(end, hi)-p, g.off+g.length-p)
 			b.ops = append(b.ops, link.Op{Write: write, Addr: g.addr + (p - g.off), RKey: g.rkey,
-				Local: transport.SGE{Region: s.region, Offset: b.slots[si]*slot + int(p-pos), Length: int(n)}})
+				Local: transport.SGE{Region: s.region, Offset: b.offs[si] + int(p-pos), Length: int(n)}})
 			p += n
 		}
 		pos = end
@@ -245,18 +244,12 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 func (s *session) rdma(ctx context.Context, b *ioBuf, off, lo, hi uint64, write, fua bool) error {
 	v := s.v
 	defer s.releaseGrants(b)
-	op := "read"
-	if write {
-		op = "write"
-	}
 	s.ops(b, off, lo, hi, write)
 	start := time.Now()
 	if err := s.link.RDMA(ctx, b.ops...); err != nil {
 		return err
 	}
-	v.m.rdmaSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
-	v.m.rdmaOps.WithLabelValues(op).Add(float64(len(b.ops)))
-	v.m.rdmaBytes.WithLabelValues(op).Add(float64(hi - lo))
+	v.m.observe(write, start, len(b.ops), hi-lo)
 	if write {
 		return s.done(ctx, b, lo, hi-lo, fua)
 	}

@@ -1,6 +1,10 @@
 package initiator
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Metrics are the initiator's Prometheus collectors, namespace "rblk_attach".
 type Metrics struct {
@@ -15,6 +19,28 @@ type Metrics struct {
 	errors         *prometheus.CounterVec
 	sessions       prometheus.Gauge
 	reconnects     prometheus.Counter
+
+	// The children of the IO path's vectors, resolved once: index 0 for
+	// reads, 1 for writes.
+	ioOps     [2]prometheus.Counter
+	ioBytes   [2]prometheus.Counter
+	ioSeconds [2]prometheus.Observer
+}
+
+// observe accounts for the RDMA of one request (or piece of one).
+func (m *Metrics) observe(write bool, start time.Time, ops int, bytes uint64) {
+	d := dir(write)
+	m.ioSeconds[d].Observe(time.Since(start).Seconds())
+	m.ioOps[d].Add(float64(ops))
+	m.ioBytes[d].Add(float64(bytes))
+}
+
+// dir indexes the resolved children by direction.
+func dir(write bool) int {
+	if write {
+		return 1
+	}
+	return 0
 }
 
 // NewMetrics creates the collectors and registers them with reg (if not nil).
@@ -39,6 +65,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Failed operations, by kind."}, []string{"op"}),
 		sessions:   prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "reconnects_total", Help: "Connections to the target made again after one was lost."}),
+	}
+	for i, op := range [2]string{"read", "write"} {
+		m.ioOps[i] = m.rdmaOps.WithLabelValues(op)
+		m.ioBytes[i] = m.rdmaBytes.WithLabelValues(op)
+		m.ioSeconds[i] = m.rdmaSeconds.WithLabelValues(op)
 	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,

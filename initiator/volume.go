@@ -21,7 +21,6 @@ import (
 // Defaults of Options.
 const (
 	DefaultPoolSize = 64 << 20
-	DefaultSlotSize = 256 << 10
 	// MaxRequest is the largest NBD request served, the limit the NBD
 	// protocol asks clients to stay under.
 	MaxRequest = 32 << 20
@@ -178,7 +177,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 		return nil, fmt.Errorf("open volume %q: IO buffers: %w", opts.Export, err)
 	}
 	v.mem = mem
-	v.pool = newBufPool(mem.Bytes(), DefaultSlotSize)
+	v.pool = newBufPool(mem.Bytes())
 	s, err := v.connect(ctx, v.opts.Takeover)
 	if err != nil {
 		mem.Free()

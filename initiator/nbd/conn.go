@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"bufio"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -13,6 +14,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/initiator/blockdev"
 )
 
 // ErrProtocol is wrapped by the error ServeConn and ServeTransmission return
@@ -34,10 +37,15 @@ var (
 // stopped reading cannot hold Close forever.
 const shutdownWriteGrace = 30 * time.Second
 
+// readBufferSize is the reader's buffer: a request header and a small
+// WRITE's payload come in one read, and several pipelined requests too.
+const readBufferSize = 64 << 10
+
 // conn is one client connection.
 type conn struct {
 	s       *Server
 	nc      net.Conn
+	br      *bufio.Reader   // nc's reads, all of them
 	ctx     context.Context // the backend's context
 	log     *zap.Logger
 	stopCtx func() bool
@@ -53,15 +61,21 @@ type conn struct {
 	scratch  []byte // for discarding payloads, made on first use
 	work     chan *request
 	nworkers int
+	sub      blockdev.Submitter // the export's backend, if it is one
 
 	workers sync.WaitGroup
+	reqs    sync.WaitGroup // requests read and not finished
+	// inFlight counts the requests read and not finished; the reader
+	// waits on slotFree when it would exceed MaxInFlight.
+	inFlight atomic.Int64
+	slotFree chan struct{}
 
-	wmu     sync.Mutex // serializes replies
-	wbroken bool       // a reply failed to send; later ones are dropped
+	replyWriter
 }
 
 // request is the pooled state of one request.
 type request struct {
+	c          *conn
 	typ, flags uint16
 	cookie     uint64
 	off        uint64
@@ -75,7 +89,16 @@ type request struct {
 	bufs net.Buffers // consumed by WriteTo; a field so that it does not escape per call
 }
 
-func (s *Server) getRequest() *request { return s.reqPool.Get().(*request) }
+func (s *Server) getRequest() *request {
+	s.reqMu.Lock()
+	defer s.reqMu.Unlock()
+	if n := len(s.freeReq); n > 0 {
+		r := s.freeReq[n-1]
+		s.freeReq = s.freeReq[:n-1]
+		return r
+	}
+	return new(request)
+}
 
 func (s *Server) putRequest(r *request) {
 	clear(r.iov)
@@ -83,7 +106,10 @@ func (s *Server) putRequest(r *request) {
 	r.bufs = nil
 	r.buf = nil
 	r.errno = 0
-	s.reqPool.Put(r)
+	r.c = nil
+	s.reqMu.Lock()
+	s.freeReq = append(s.freeReq, r)
+	s.reqMu.Unlock()
 }
 
 // setReason records why the connection ends, unless a reason is known
@@ -169,15 +195,20 @@ func (c *conn) writeErr(err error, what string) error {
 func (c *conn) transmit(x *export) error {
 	c.export = x
 	c.work = make(chan *request)
+	c.slotFree = make(chan struct{}, 1)
+	c.sub, _ = x.Backend.(blockdev.Submitter)
+	c.startWriter()
 	err := c.readLoop(x)
 	close(c.work)
 	c.workers.Wait()
+	c.reqs.Wait()
+	c.stopWriter()
 	return err
 }
 
 func (c *conn) readLoop(x *export) error {
 	for {
-		if _, err := io.ReadFull(c.nc, c.rhdr[:]); err != nil {
+		if _, err := io.ReadFull(c.br, c.rhdr[:]); err != nil {
 			return c.readErr(err, "reading a request")
 		}
 		h := &c.rhdr
@@ -195,7 +226,12 @@ func (c *conn) readLoop(x *export) error {
 		if typ == cmdWrite && length > hardMaxBlock {
 			return fmt.Errorf("%w: WRITE of %d bytes, over the hard limit of %d", ErrProtocol, length, hardMaxBlock)
 		}
+		if m := c.s.metrics; m != nil {
+			m.inFlight.Inc() // read, not answered: held here while MaxInFlight are
+		}
+		c.admit()
 		r := c.s.getRequest()
+		r.c = c
 		r.typ = typ
 		r.flags = binary.BigEndian.Uint16(h[4:])
 		r.cookie = binary.BigEndian.Uint64(h[8:])
@@ -206,13 +242,76 @@ func (c *conn) readLoop(x *export) error {
 		if typ == cmdWrite {
 			if err := c.readWrite(x, r); err != nil {
 				c.s.putRequest(r)
+				c.release()
+				if m := c.s.metrics; m != nil {
+					m.inFlight.Dec()
+				}
 				return err
 			}
 		} else {
 			r.errno = c.check(x, r)
 		}
+		c.reqs.Add(1)
+		if c.submit(r) {
+			continue
+		}
 		c.dispatch(r)
 	}
+}
+
+// admit counts a request in flight, first waiting while MaxInFlight are.
+func (c *conn) admit() {
+	if c.inFlight.Add(1) > int64(c.s.maxInFlight) {
+		<-c.slotFree // from the release that brings the count back to the limit
+	}
+}
+
+// release uncounts a request in flight (see admit).
+func (c *conn) release() {
+	if c.inFlight.Add(-1) >= int64(c.s.maxInFlight) {
+		c.slotFree <- struct{}{} // the reader waits for it: cap 1, never full here
+	}
+}
+
+// submit starts a valid READ or WRITE on a backend that is a
+// blockdev.Submitter, from the reader: the backend completes it (Complete)
+// without a worker. It reports false for a request a worker must serve.
+func (c *conn) submit(r *request) bool {
+	if c.sub == nil || r.errno != 0 || r.length == 0 {
+		return false
+	}
+	switch r.typ {
+	case cmdRead:
+		b, err := c.export.Backend.Alloc(c.ctx, int(r.length))
+		if err != nil || !sized(b, r.length) {
+			if b != nil {
+				c.export.Backend.Free(b)
+			}
+			return false // the worker reports it
+		}
+		r.buf = b
+		c.sub.SubmitRead(c.ctx, b, r.off, r)
+		return true
+	case cmdWrite:
+		if r.buf == nil {
+			return false
+		}
+		c.sub.SubmitWrite(c.ctx, r.buf, r.off, r.flags&cmdFlagFUA != 0, r)
+		return true
+	}
+	return false
+}
+
+// Complete ends a request started with submit (blockdev.Completion); it
+// may run on the backend's completion path, and does not block: the reply
+// is written at once if the socket takes it, else by the writer goroutine.
+func (r *request) Complete(err error) {
+	c := r.c
+	errno := uint32(0)
+	if err != nil {
+		errno = c.errnoOf(err, errIO)
+	}
+	c.reply(r, errno, err == nil && r.typ == cmdRead)
 }
 
 // inRange tells whether [off, off+length) lies within the export.
@@ -290,7 +389,7 @@ func (c *conn) readWrite(x *export, r *request) error {
 		default:
 			r.buf = b
 			for _, seg := range b.Segs {
-				if _, err := io.ReadFull(c.nc, seg); err != nil {
+				if _, err := io.ReadFull(c.br, seg); err != nil {
 					x.Backend.Free(b)
 					r.buf = nil
 					return c.readErr(err, "reading a WRITE payload")
@@ -324,7 +423,7 @@ func (c *conn) discard(n uint32) error {
 	}
 	for n > 0 {
 		k := min(n, uint32(len(c.scratch)))
-		if _, err := io.ReadFull(c.nc, c.scratch[:k]); err != nil {
+		if _, err := io.ReadFull(c.br, c.scratch[:k]); err != nil {
 			return c.readErr(err, "discarding a WRITE payload")
 		}
 		n -= k
@@ -337,9 +436,6 @@ func (c *conn) discard(n uint32) error {
 // stops reading then, which is the backpressure on the client. Workers live
 // as long as the connection, so a request costs no goroutine start.
 func (c *conn) dispatch(r *request) {
-	if m := c.s.metrics; m != nil {
-		m.inFlight.Inc()
-	}
 	select {
 	case c.work <- r:
 		return
@@ -415,18 +511,21 @@ func (c *conn) serve(r *request) {
 		}
 	}
 	c.reply(r, errno, data)
+}
+
+// done ends r once its reply was sent (or could not be): the buffer goes
+// back to the backend, r to the pool.
+func (c *conn) done(r *request) {
 	if r.buf != nil {
-		be.Free(r.buf)
-	}
-	if m := c.s.metrics; m != nil {
-		m.inFlight.Dec()
-		m.done(r.typ, errno == 0, r.length, r.start)
+		c.export.Backend.Free(r.buf)
 	}
 	c.s.putRequest(r)
+	c.release()
+	c.reqs.Done()
 }
 
 // reply sends the simple reply of r, followed by its data for a successful
-// READ, in one writev.
+// READ, in one writev (see replyWriter), then ends r.
 func (c *conn) reply(r *request, errno uint32, data bool) {
 	binary.BigEndian.PutUint32(r.hdr[0:], magicSimpleReply)
 	binary.BigEndian.PutUint32(r.hdr[4:], errno)
@@ -436,20 +535,13 @@ func (c *conn) reply(r *request, errno uint32, data bool) {
 		r.iov = append(r.iov, r.buf.Segs...)
 	}
 	r.bufs = r.iov
-	c.wmu.Lock()
-	if c.wbroken {
-		c.wmu.Unlock()
-		return
+	r.errno = errno
+	// Counted before the client can see the reply.
+	if m := c.s.metrics; m != nil {
+		m.inFlight.Dec()
+		m.done(r.typ, errno == 0, r.length, r.start)
 	}
-	_, err := r.bufs.WriteTo(c.nc)
-	if err != nil {
-		c.wbroken = true
-	}
-	c.wmu.Unlock()
-	if err != nil {
-		// No reply can reach the client any more: stop reading requests.
-		c.shutdown(c.writeErr(err, "sending a reply"))
-	}
+	c.send(r)
 }
 
 // errnoOf maps a backend error to an NBD error: the errno it wraps when NBD

@@ -24,7 +24,7 @@ func (c *conn) handshake() (*export, error) {
 		return nil, c.writeErr(err, "sending the greeting")
 	}
 	var cf [4]byte
-	if _, err := io.ReadFull(c.nc, cf[:]); err != nil {
+	if _, err := io.ReadFull(c.br, cf[:]); err != nil {
 		return nil, c.readErr(err, "reading the client flags")
 	}
 	clientFlags := binary.BigEndian.Uint32(cf[:])
@@ -35,7 +35,7 @@ func (c *conn) handshake() (*export, error) {
 
 	var hdr [optHdrSize]byte
 	for {
-		if _, err := io.ReadFull(c.nc, hdr[:]); err != nil {
+		if _, err := io.ReadFull(c.br, hdr[:]); err != nil {
 			return nil, c.readErr(err, "reading an option")
 		}
 		if m := binary.BigEndian.Uint64(hdr[0:]); m != magicIHaveOpt {
@@ -47,7 +47,7 @@ func (c *conn) handshake() (*export, error) {
 			return nil, fmt.Errorf("%w: option %d of %d bytes (limit %d)", ErrProtocol, opt, n, maxOptionLength)
 		}
 		data := make([]byte, n)
-		if _, err := io.ReadFull(c.nc, data); err != nil {
+		if _, err := io.ReadFull(c.br, data); err != nil {
 			return nil, c.readErr(err, "reading an option's data")
 		}
 

@@ -713,9 +713,6 @@ func TestNewServerChecks(t *testing.T) {
 // TestNoAllocPerIO measures the server's heap allocations per request (the
 // backend and the client of this test allocate nothing per request).
 func TestNoAllocPerIO(t *testing.T) {
-	if raceEnabled {
-		t.Skip("the race detector allocates and makes sync.Pool drop items")
-	}
 	be := newMemBackend(1<<20, 4096, 64)
 	ts := startServer(t, Options{Exports: []*Export{rwExport("vol", be)}})
 	rc := dialGo(t, ts.sock, "vol")

@@ -1,6 +1,7 @@
 package nbd
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -65,7 +66,8 @@ type Server struct {
 	log         *zap.Logger
 	metrics     *Metrics
 
-	reqPool sync.Pool // *request
+	reqMu   sync.Mutex
+	freeReq []*request // for reuse, so that no IO allocates
 	nextID  atomic.Uint64
 
 	mu        sync.Mutex
@@ -172,7 +174,6 @@ func NewServer(opts Options) (*Server, error) {
 		s.byName[e.Name] = x
 		s.exports = append(s.exports, x)
 	}
-	s.reqPool.New = func() any { return new(request) }
 	return s, nil
 }
 
@@ -312,9 +313,11 @@ func (s *Server) newConn(ctx context.Context, nc net.Conn) (*conn, error) {
 	c := &conn{
 		s:   s,
 		nc:  nc,
+		br:  bufio.NewReaderSize(nc, readBufferSize),
 		ctx: ctx,
 		log: s.log.With(zap.Uint64("conn", s.nextID.Add(1)), zap.Stringer("remote", addrOf(nc))),
 	}
+	c.initWriter()
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
 	c.stopCtx = context.AfterFunc(ctx, func() { c.shutdown(ctx.Err()) })

@@ -1,5 +1,0 @@
-//go:build !race
-
-package nbd
-
-const raceEnabled = false

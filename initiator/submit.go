@@ -1,0 +1,139 @@
+package initiator
+
+import (
+	"context"
+	"fmt"
+	"syscall"
+	"time"
+
+	"github.com/rblk/rblk/initiator/blockdev"
+	"github.com/rblk/rblk/protocol"
+)
+
+var _ blockdev.Submitter = (*Volume)(nil)
+
+// SubmitRead starts a read of b at off: see blockdev.Submitter.
+func (v *Volume) SubmitRead(ctx context.Context, nb *blockdev.Buffer, off uint64, c blockdev.Completion) {
+	v.submit(ctx, nb.Priv.(*ioBuf), off, false, false, c)
+}
+
+// SubmitWrite starts a write of b at off: see blockdev.Submitter.
+func (v *Volume) SubmitWrite(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool, c blockdev.Completion) {
+	if v.ReadOnly() {
+		c.Complete(fmt.Errorf("write to read-only volume %q: %w", v.opts.Export, syscall.EPERM))
+		return
+	}
+	v.submit(ctx, nb.Priv.(*ioBuf), off, true, fua, c)
+}
+
+// submit runs a request to completion when it can: on the caller's
+// goroutine it takes references on the grants of every chunk (all held
+// already, the usual case) and posts one chain of work requests, the RDMA
+// operations and, for a write, its Done; the completion of the chain's
+// last work request (OnComplete, on the link's completion goroutine) gives
+// the references back and completes the request. No goroutine is started
+// and nothing waits in between.
+//
+// Everything else goes the synchronous way in a goroutine of its own
+// (slow): a chunk not granted yet, no session up (reconnecting, draining),
+// a FUA write (which waits for the target's reply), a request too large
+// for one chain, and a chain that failed (it is done again once
+// reconnected, as any IO in flight on a lost session).
+func (v *Volume) submit(ctx context.Context, b *ioBuf, off uint64, write, fua bool, c blockdev.Completion) {
+	n := bufLen(b)
+	if n == 0 {
+		c.Complete(nil)
+		return
+	}
+	if err := v.check(off, n); err != nil {
+		c.Complete(err)
+		return
+	}
+	b.v, b.comp, b.ctx, b.off, b.write, b.fua = v, c, ctx, off, write, fua
+	if fua || !v.start(b, n) {
+		v.slow(b)
+	}
+}
+
+// start posts the request's chain if its session is up and every chunk it
+// needs is granted, and reports whether it did.
+func (v *Volume) start(b *ioBuf, n uint64) bool {
+	off, write := b.off, b.write
+	v.plan(b, off, n)
+	v.mu.Lock()
+	s := v.sess
+	if v.failed != nil || s == nil || s.draining || s.link.Err() != nil {
+		v.mu.Unlock()
+		return false
+	}
+	var ok bool
+	b.grants, ok = s.grants.tryAcquire(b.idxs, write, b.grants)
+	if !ok {
+		v.mu.Unlock()
+		return false
+	}
+	s.inflight++
+	v.mu.Unlock()
+	s.ops(b, off, off, off+n, write)
+	var msg protocol.Message
+	if write {
+		b.ranges[0] = protocol.Range{Offset: off, Length: n}
+		b.done = protocol.Done{Handle: s.info.Handle, Generation: s.info.Generation, Ranges: b.ranges[:]}
+		msg = &b.done
+	}
+	b.sess, b.start = s, time.Now()
+	if len(b.ops) > s.link.MaxChain() || s.link.Start(b.ctx, b, msg, b.ops...) != nil {
+		// Nothing posted: the synchronous path sorts it out (a chain in
+		// pieces, the link going down).
+		b.sess = nil
+		v.finish(s, b)
+		return false
+	}
+	return true
+}
+
+// finish gives back the references of b's grants and its hold on s.
+func (v *Volume) finish(s *session, b *ioBuf) {
+	v.mu.Lock()
+	if s.grants.release(b.grants) {
+		v.cond.Broadcast()
+	}
+	s.inflight--
+	if s.inflight == 0 && s.draining {
+		v.cond.Broadcast()
+	}
+	v.mu.Unlock()
+	clear(b.grants)
+	b.grants = b.grants[:0]
+}
+
+// OnComplete ends a request's chain (link.Callback): it runs on the link's
+// completion goroutine and does not block.
+func (b *ioBuf) OnComplete(err error) {
+	v, s := b.v, b.sess
+	b.sess = nil
+	v.finish(s, b)
+	if err != nil {
+		// The link went down under the chain: done again, the
+		// synchronous way, once reconnected (or failed as it decides).
+		v.slow(b)
+		return
+	}
+	n := bufLen(b)
+	v.m.observe(b.write, b.start, len(b.ops), n)
+	if b.write {
+		v.writes.Add(1)
+	}
+	c := b.comp
+	b.comp = nil
+	c.Complete(nil) // b may be freed and reused from here on
+}
+
+// slow carries the request of b on the synchronous path, in a goroutine.
+func (v *Volume) slow(b *ioBuf) {
+	c := b.comp
+	b.comp = nil
+	go func() {
+		c.Complete(v.io(b.ctx, b, b.off, b.write, b.fua))
+	}()
+}
