@@ -39,6 +39,13 @@ const (
 	maxMessage = 1 << 31
 	// recvBit marks the wr_id of receives.
 	recvBit = 1 << 63
+	// drainWRID is the wr_id of the drain request (postDrain).
+	drainWRID = 1 << 61
+	// drainSlots is the send-queue room kept for the drain request.
+	drainSlots = 1
+	// mellanoxVendorID is the vendor_id of Mellanox (NVIDIA) adapters,
+	// mlx4 and mlx5.
+	mellanoxVendorID = 0x02c9
 )
 
 var (
@@ -54,6 +61,12 @@ type entry struct {
 	op   transport.Opcode
 	hw   bool // posted to the QP, its completion not yet polled
 	done bool // comp is final
+	// unsig: the caller asked for no completion on success
+	// (WorkRequest.Unsignaled); emit drops it if it succeeded.
+	unsig bool
+	// nosig: posted without IBV_SEND_SIGNALED: the device reports it only
+	// if it fails; the completion of a later request covers it.
+	nosig bool
 	// synthetic: it failed the checks at post time and never reached the
 	// QP; it completes with its status in its turn.
 	synthetic bool
@@ -70,6 +83,13 @@ type ring struct {
 	tail   uint64
 	hwOut  int  // entries posted to the QP whose completion is not polled
 	closed bool // Close began: nothing more is posted
+	// Send queue only:
+	// scan: the entries before it are covered (none of them is hw).
+	scan uint64
+	// unsigRun: how many requests were posted without IBV_SEND_SIGNALED
+	// since the last one with it (0: the last request posted is
+	// signaled, and its completion will cover all before it).
+	unsigRun int
 }
 
 func (r *ring) push(id uint64, op transport.Opcode) *entry {
@@ -113,6 +133,18 @@ type conn struct {
 
 	sq ring
 	rq ring
+
+	// Selective signaling (sq.mu).
+	// unsigFlushes: the device reports the flush of a request posted
+	// without IBV_SEND_SIGNALED (the IBA requires it: rxe and mlx5 do).
+	// Without it, unsignaled requests that a flushed completion covers
+	// are reported flushed, as nothing tells whether they executed.
+	unsigFlushes bool
+	drain        drainState
+	drainSeq     uint64 // sq.tail when the drain request was posted
+	sigStats     sigStats
+	// compVector is the completion vector of the CQ.
+	compVector int
 
 	pollSem chan struct{} // held by Poll and by Close's teardown
 	unacked int           // completion events not acknowledged (pollSem)
@@ -161,6 +193,31 @@ type conn struct {
 
 var _ transport.Conn = (*conn)(nil)
 
+// drainState is where the drain request of a broken conn is (postDrain).
+type drainState uint8
+
+const (
+	drainNone   drainState = iota // not posted
+	drainPosted                   // posted, its completion not polled
+	drainDone                     // completed, or not needed
+)
+
+// sigStats count what selective signaling did on a conn (sq.mu), for
+// tests and logs.
+type sigStats struct {
+	// reported: completions the device gave for requests posted without
+	// IBV_SEND_SIGNALED (failed or flushed ones).
+	reported int
+	// covered: requests completed by the completion of a later one.
+	covered int
+	// coveredFlushed: of those, the ones reported flushed (a device
+	// without unsigFlushes).
+	coveredFlushed int
+	// hidden: unsignaled requests posted signaled (a run of
+	// SendQueueDepth) whose success was not returned.
+	hidden int
+}
+
 // newConn makes the verbs resources of a conn on id (whose address, and
 // route, are resolved): PD, completion channel, CQ, QP. On failure it
 // destroys what it made, but not id, ch and w.
@@ -179,11 +236,13 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	if attr.MemWindowType2 && attr.MaxQPWR > 2*windowSlots && attr.MaxCQE > 2*windowSlots {
 		mwSlots = windowSlots
 	}
-	sqDepth := min(o.SendQueueDepth, attr.MaxQPWR-mwSlots)
+	// The drain request has send-queue room of its own as well.
+	extra := mwSlots + drainSlots
+	sqDepth := min(o.SendQueueDepth, attr.MaxQPWR-extra)
 	rqDepth := min(o.RecvQueueDepth, attr.MaxQPWR)
-	if cqe := sqDepth + rqDepth; cqe > attr.MaxCQE-mwSlots {
-		sqDepth = sqDepth * (attr.MaxCQE - mwSlots) / cqe
-		rqDepth = attr.MaxCQE - mwSlots - sqDepth
+	if cqe := sqDepth + rqDepth; cqe > attr.MaxCQE-extra {
+		sqDepth = sqDepth * (attr.MaxCQE - extra) / cqe
+		rqDepth = attr.MaxCQE - extra - sqDepth
 	}
 	c = &conn{
 		p:         p,
@@ -201,6 +260,8 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	c.tryCQ = c.tryCQEvent
 	c.initWindows(mwSlots > 0)
 	c.mwSpanChecked = attr.VendorID != rxeVendorID
+	c.unsigFlushes = attr.VendorID == rxeVendorID || attr.VendorID == mellanoxVendorID
+	c.compVector = p.nextCompVector(id.DeviceName(), ctx.NumCompVectors())
 	c.sq.ents = make([]entry, sqDepth)
 	c.rq.ents = make([]entry, rqDepth)
 	defer func() {
@@ -217,10 +278,10 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	if c.cqw, err = newWaiter(c.cc.Fd(), "rdma-cq"); err != nil {
 		return nil, err
 	}
-	if c.cq, err = ctx.NewCQ(sqDepth+rqDepth+mwSlots, c.cc, pollBatch); err != nil {
+	if c.cq, err = ctx.NewCQ(sqDepth+rqDepth+extra, c.cc, pollBatch, c.compVector); err != nil {
 		return nil, memlockHint(err)
 	}
-	want := verbs.QPCaps{SendWR: sqDepth + mwSlots, RecvWR: rqDepth, InlineData: maxInline}
+	want := verbs.QPCaps{SendWR: sqDepth + extra, RecvWR: rqDepth, InlineData: maxInline}
 	chunk := min(postChunk, max(sqDepth, rqDepth))
 	if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 		want.InlineData = 0
@@ -248,7 +309,7 @@ func (c *conn) start() {
 	c.log.Debug("rdma connection established", zap.String("device", c.info), zap.String("remote", c.remote),
 		zap.Uint32("qp", c.qp.Num()), zap.Int("send_queue", c.limits.SendQueueDepth),
 		zap.Int("recv_queue", c.limits.RecvQueueDepth), zap.Int("reads_in_flight", c.limits.MaxReadsInFlight),
-		zap.Int("inline", c.inline), zap.Duration("busy_poll", c.busy))
+		zap.Int("inline", c.inline), zap.Duration("busy_poll", c.busy), zap.Int("comp_vector", c.compVector))
 	c.cmDone = make(chan struct{})
 	go c.cmLoop()
 }
@@ -318,6 +379,9 @@ func (c *conn) flushOutstanding() {
 			}
 		}
 		r.hwOut = 0
+		if r == &c.sq {
+			c.drain = drainDone
+		}
 		r.mu.Unlock()
 	}
 }
@@ -561,7 +625,7 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		return transport.ErrQueueFull
 	}
 	buf := c.qp.SendBuf()
-	start := r.tail
+	start, startRun := r.tail, r.unsigRun
 	posted := 0
 	staged := 0
 	var fail error
@@ -581,16 +645,27 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		}
 		e := r.push(wr.ID, wr.Op)
 		e.hw = true
+		e.unsig = wr.Unsignaled
 		w.ID = e.seq
 		w.RAddr, w.RKey, w.Imm = wr.RemoteAddr, wr.RKey, wr.Imm
 		w.Opcode = wrOpcodes[wr.Op]
-		w.Flags = verbs.FlagSignaled
+		// Unsignaled requests go without IBV_SEND_SIGNALED, but for the
+		// one that would make a run as long as the queue: nothing would
+		// ever cover that run, so it is signaled, and its success dropped.
+		if wr.Unsignaled && r.unsigRun+1 < len(r.ents) {
+			w.Flags = 0
+			e.nosig = true
+			r.unsigRun++
+		} else {
+			w.Flags = verbs.FlagSignaled
+			r.unsigRun = 0
+		}
 		if wr.Op != transport.OpRead && w.Length > 0 && int(w.Length) <= c.inline {
 			w.Flags |= verbs.FlagInline
 		}
 		staged++
 		if staged == len(buf) {
-			stopped, err := c.postStaged(r, staged, start, &posted)
+			stopped, err := c.postStaged(r, staged, start, startRun, &posted)
 			if err != nil {
 				return err
 			}
@@ -602,7 +677,7 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		}
 	}
 	if staged > 0 {
-		if _, err := c.postStaged(r, staged, start, &posted); err != nil {
+		if _, err := c.postStaged(r, staged, start, startRun, &posted); err != nil {
 			return err
 		}
 	}
@@ -617,10 +692,11 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 
 // postStaged posts the n staged requests of the send queue r (r.mu held).
 // If nothing of this PostSend got to the QP, a refusal undoes the whole
-// call (r.mu released) and returns the error; otherwise the requests not
-// posted fail in their turn and break the connection, and postStaged
-// reports stopped: the caller must post nothing more.
-func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) (stopped bool, err error) {
+// call (r.mu released; the queue's tail back to start and its run of
+// unsignaled requests to startRun) and returns the error; otherwise the
+// requests not posted fail in their turn and break the connection, and
+// postStaged reports stopped: the caller must post nothing more.
+func (c *conn) postStaged(r *ring, n int, start uint64, startRun int, posted *int) (stopped bool, err error) {
 	k, err := c.qp.PostSend(n)
 	r.hwOut += k
 	if err == nil {
@@ -628,7 +704,7 @@ func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) (stopped bo
 		return false, nil
 	}
 	if *posted == 0 && k == 0 {
-		r.tail = start
+		r.tail, r.unsigRun = start, startRun
 		r.mu.Unlock()
 		if errors.Is(err, syscall.ENOMEM) {
 			return false, fmt.Errorf("post send: %w (%v)", transport.ErrQueueFull, err)
@@ -637,6 +713,9 @@ func (c *conn) postStaged(r *ring, n int, start uint64, posted *int) (stopped bo
 	}
 	// Requests from index posted+k of this call on did not reach the QP.
 	*posted += k
+	// Whether the last one that did is signaled is not tracked: have the
+	// drain request cover them.
+	r.unsigRun = max(r.unsigRun, 1)
 	first := true
 	for seq := start + uint64(*posted); seq < r.tail; seq++ {
 		e := &r.ents[seq%uint64(len(r.ents))]
@@ -804,16 +883,96 @@ func mapStatus(s uint32) transport.Status {
 	return transport.StatusTransportError
 }
 
-// complete records the k completions just polled into the entries of their
+// coverLocked completes the send-queue entries before seq upto that are
+// still posted (sq.mu held): requests posted without IBV_SEND_SIGNALED,
+// which the device reports only if they fail. Send-queue completions come
+// in order, and st is the status of the completion of a later request (or
+// of the drain request): a success, or a failure, says every request
+// before it succeeded (a failed one would have been reported first). So
+// does a flush on a device that reports flushed unsignaled requests
+// (unsigFlushes); on another, a flush leaves them unknown, and they are
+// reported flushed.
+func (c *conn) coverLocked(upto uint64, st transport.Status) {
+	r := &c.sq
+	cst := transport.StatusSuccess
+	if st == transport.StatusFlushed && !c.unsigFlushes {
+		cst = transport.StatusFlushed
+	}
+	for seq := max(r.scan, r.head); seq < upto; seq++ {
+		e := &r.ents[seq%uint64(len(r.ents))]
+		if !e.hw {
+			continue
+		}
+		e.hw, e.done = false, true
+		e.comp = transport.Completion{ID: e.id, Op: e.op, Status: cst}
+		r.hwOut--
+		c.sigStats.covered++
+		if cst != transport.StatusSuccess {
+			c.sigStats.coveredFlushed++
+		}
+	}
+	r.scan = max(r.scan, upto)
+}
+
+// postDrain posts the drain request of a broken conn, once, if requests
+// posted without IBV_SEND_SIGNALED may still be uncovered (the last one
+// posted is one of them): nothing else would complete them when they
+// succeeded (a device reports nothing of those), nor, on a device without
+// unsigFlushes, when they were flushed. The drain request is a signaled
+// zero-length RDMA WRITE posted after everything else (broken: nothing
+// more is posted), so its completion, flushed on a QP in the error state,
+// covers them all. pollSem held, the QP alive.
+func (c *conn) postDrain() {
+	r := &c.sq
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c.drain != drainNone {
+		return
+	}
+	if r.unsigRun == 0 || r.hwOut == 0 {
+		c.drain = drainDone
+		return
+	}
+	c.drainSeq = r.tail
+	if err := postDrain(c.qp, drainWRID); err != nil {
+		// Those requests stay posted until Close gives up on them
+		// (flushTimeout) and completes them flushed.
+		c.drain = drainDone
+		c.log.Warn("rdma: posting the drain request failed: unsignaled requests complete only at close",
+			zap.String("remote", c.remote), zap.Error(err))
+		return
+	}
+	c.drain = drainPosted
+}
+
+// postDrain posts the drain request; tests replace it.
+var postDrain = (*verbs.QP).PostDrain
+
+// complete records the completions just polled into the entries of their
 // work requests (pollSem held).
-func (c *conn) complete(k int) {
+func (c *conn) complete(wcs []verbs.WC) {
 	var failure error
 	flushed := false
 	var mws [pollBatch]verbs.WC
 	nmw := 0
 	c.sq.mu.Lock()
 	c.rq.mu.Lock()
-	for _, wc := range c.cq.WCs()[:k] {
+	for _, wc := range wcs {
+		if wc.ID == drainWRID {
+			st := mapStatus(wc.Status)
+			c.coverLocked(c.drainSeq, st)
+			c.drain = drainDone
+			switch st {
+			case transport.StatusSuccess:
+			case transport.StatusFlushed:
+				flushed = true
+			default:
+				if failure == nil && !c.failed.Load() {
+					failure = fmt.Errorf("the drain request failed: %s (vendor_err %#x)", verbs.StatusString(wc.Status), wc.VendorErr)
+				}
+			}
+			continue
+		}
 		if wc.ID&(recvBit|mwBit) == mwBit {
 			// A bind or invalidation: completeMW takes it, Poll never
 			// returns it.
@@ -832,6 +991,14 @@ func (c *conn) complete(k int) {
 			continue
 		}
 		comp := transport.Completion{ID: e.id, Op: e.op, Status: mapStatus(wc.Status)}
+		if r == &c.sq {
+			c.coverLocked(seq, comp.Status)
+			if e.nosig {
+				c.sigStats.reported++
+			} else if e.unsig && comp.Status == transport.StatusSuccess {
+				c.sigStats.hidden++
+			}
+		}
 		if r == &c.rq {
 			comp.Op = transport.OpRecv
 			if wc.Status == verbs.WCLocQPOpErr {
@@ -913,6 +1080,12 @@ func (c *conn) emit(out []transport.Completion) int {
 					refused = fmt.Errorf("%v request %d: %v", comp.Op, comp.ID, comp.Status)
 				}
 			}
+			if e.unsig && comp.Status == transport.StatusSuccess {
+				// Unsignaled, and it succeeded: not returned.
+				*e = entry{}
+				r.head++
+				continue
+			}
 			out[n] = comp
 			n++
 			*e = entry{}
@@ -982,7 +1155,7 @@ func (c *conn) pollCQ(arm bool) int {
 		return 0
 	}
 	if k > 0 {
-		c.complete(k)
+		c.complete(c.cq.WCs()[:k])
 	}
 	return k
 }
@@ -1010,6 +1183,9 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 			return n, nil
 		}
 		alive := !c.destroyed.Load() && !c.removed.Load()
+		if alive && c.broken.Load() {
+			c.postDrain()
+		}
 		// Without busy polling, an empty CQ is armed in the same call, and
 		// polled again after that.
 		arm := c.busy <= 0 || spun
@@ -1039,7 +1215,7 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 			spun = true
 			k, err := c.cq.PollSpin(pollBatch, c.busy)
 			if err == nil && k > 0 {
-				c.complete(k)
+				c.complete(c.cq.WCs()[:k])
 			}
 			continue
 		}
@@ -1096,9 +1272,13 @@ func (c *conn) Close() error {
 func (c *conn) drainFlushes() {
 	deadline := time.Now().Add(flushTimeout)
 	for !c.removed.Load() {
+		c.postDrain()
 		c.sq.mu.Lock()
 		c.rq.mu.Lock()
 		left := c.sq.hwOut + c.rq.hwOut
+		if c.drain == drainPosted {
+			left++
+		}
 		c.rq.mu.Unlock()
 		c.sq.mu.Unlock()
 		left += c.mwInFlight()

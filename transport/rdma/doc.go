@@ -45,14 +45,19 @@
 //
 // Each connection has its own protection domain (ibv_alloc_pd): a region
 // registered on one can not be reached through another, its own completion
-// queue on its own completion channel, one RC QP (every work request
-// signaled, one SGE each, 64 bytes of inline data when the device has it),
-// and its own RDMA CM event channel. Register is ibv_reg_mr with the mapped
+// queue on its own completion channel (the CQs of successive connections
+// take the device's completion vectors, num_comp_vectors, round robin,
+// rather than all vector 0), one RC QP (selective signaling, one SGE each,
+// 64 bytes of inline data when the device has it), and its own RDMA CM
+// event channel. Register is ibv_reg_mr with the mapped
 // access flags; the memory must come from transport.AllocMemory (outside
 // the Go heap): the device keeps its address, which the cgo rules forbid
 // for Go memory, and Register refuses Go heap memory, and file mappings
 // (transport.ErrFileMapping). When the memlock limit is too low, the
-// error says how to raise it.
+// error says how to raise it. Huge pages of AllocMemory(n, true) register
+// as well: hugetlb pages, and transparent huge pages, which registration
+// pins without splitting them (both checked on rxe, with RDMA WRITE and
+// READ across a 2 MiB boundary).
 //
 // # Memory windows
 //
@@ -63,7 +68,7 @@
 // to the conn's QP by a signaled IBV_WR_BIND_MW under a new key
 // (ibv_inc_rkey), and revoked by Invalidate, an IBV_WR_LOCAL_INV. Those
 // requests have send-queue room of their own (8 slots beyond
-// SendQueueDepth, and as many CQ entries), and their completions are
+// SendQueueDepth, and as many CQ entries, besides the drain request's), and their completions are
 // taken inside Poll (their wr_ids are marked) and never returned. The key
 // of a window is 8 bits a consumer chooses over the MW's index, so a key
 // comes back after 256 binds of the same MW: a peer must not keep keys of
@@ -87,11 +92,43 @@
 //
 // PostSend fills work request records in C memory preallocated with the QP
 // (under the send queue's lock, no allocation) and posts a chain of up to
-// 256 with one ibv_post_send; PostRecv likewise. A queue's depth counts
+// 256 with one ibv_post_send; PostRecv likewise (a batch of receive
+// reposts is one linked list of ibv_recv_wr and one ibv_post_recv). A queue's depth counts
 // what is posted and not yet returned by Poll (ErrQueueFull beyond it), so
 // neither the QP nor the CQ can overflow. Completions are returned in
 // posting order per queue; once the connection is broken, the flushed
 // receives come after the send queue's completions.
+//
+// # Selective signaling
+//
+// The QP is created with sq_sig_all = 0, and a work request goes with
+// IBV_SEND_SIGNALED unless it is transport.WorkRequest.Unsignaled (bind
+// and invalidate requests of memory windows always are signaled). Send
+// completions come in order, so the completion of a later request covers
+// the unsignaled ones before it: a success or a failure means they
+// succeeded (a failed one would have been reported first: the IBA has a
+// device report every request that completes in error, signaled or not),
+// and so does a flush on a device that also reports flushed unsignaled
+// requests, as the IBA requires: rxe does (checked on 6.1 and 6.12: the
+// completer posts a completion for every flushed request, signaled or
+// not), and so does mlx5 (the kernel's own storage and NFS clients rely on
+// it). On other devices the unsignaled requests a flush covers are
+// reported flushed, as nothing says whether they executed. Poll returns
+// what failed or was flushed, never the success of an unsignaled request.
+// An unsignaled request takes room in SendQueueDepth until it is covered
+// and Poll got past it; a run of SendQueueDepth of them would never be, so
+// the request that would make one is posted signaled (its success is not
+// returned either).
+//
+// Requests that succeeded without a completion leave nothing to cover them
+// when the connection breaks after them: a broken connection posts, when
+// the last request it posted is unsignaled, one drain request (a signaled
+// zero-length RDMA WRITE, which checks no key, with room of its own beyond
+// SendQueueDepth) after everything else; its completion, flushed on a QP
+// in the error state, covers what is left, so that Poll ends with ErrClosed
+// and Close need not wait for flushTimeout. The same goes for a request
+// refused at post time behind unsignaled ones, whose turn would otherwise
+// never come: there the QP still works, and the drain request executes.
 //
 // Local checks are done at post time, as the software provider does: an SGE
 // outside a live region of the connection, or a READ or RECV into a region

@@ -41,6 +41,29 @@ const rejectConsumerDefined = 28
 type provider struct {
 	opts Options
 	log  *zap.Logger
+
+	// vectors holds, per device name, the completion vector the next
+	// connection's CQ takes (round robin over num_comp_vectors).
+	vecMu   sync.Mutex
+	vectors map[string]int
+}
+
+// nextCompVector returns the completion vector for the CQ of a new
+// connection on device dev, which has n: each connection has its own CQ,
+// and their interrupts are spread over the device's vectors round robin
+// rather than all on vector 0.
+func (p *provider) nextCompVector(dev string, n int) int {
+	if n <= 1 {
+		return 0
+	}
+	p.vecMu.Lock()
+	defer p.vecMu.Unlock()
+	if p.vectors == nil {
+		p.vectors = make(map[string]int)
+	}
+	v := p.vectors[dev] % n
+	p.vectors[dev] = v + 1
+	return v
 }
 
 func newProvider(devs []string, opts Options) (transport.Provider, error) {

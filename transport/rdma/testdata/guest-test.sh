@@ -15,6 +15,9 @@
 #                    the C baseline of the benchmarks, into perftest.log
 #   RDMA_STRACE      a -test.bench pattern to run once under strace -f -c
 #                    (syscall counts per benchmark), into strace.log
+#   RDMA_HUGEPAGES   reserve that many huge pages of the hugetlb pool
+#                    (vm.nr_hugepages) first, so that AllocMemory(n, true)
+#                    gets hugetlb pages rather than transparent ones
 # Results: rdma-test.log, rdma-race.log, rdma-bench.log in the share.
 set -u
 [ -f ./guest-test.env ] && . ./guest-test.env
@@ -31,6 +34,11 @@ if [ -z "$(ls /sys/class/infiniband 2>/dev/null)" ]; then
 	sleep 1
 fi
 ulimit -l unlimited 2>/dev/null
+if [ -n "${RDMA_HUGEPAGES:-}" ]; then
+	echo "$RDMA_HUGEPAGES" >/proc/sys/vm/nr_hugepages
+	echo "guest-test: hugetlb pool $(grep -E 'HugePages_(Total|Free)' /proc/meminfo | tr -s ' \n' ' ')"
+fi
+echo "guest-test: transparent huge pages $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 echo "guest-test: devices $(ls /sys/class/infiniband), address $RBLK_RDMA_ADDR, memlock $(ulimit -l), $(nproc) cpus"
 [ -x ./rdma.test ] || { echo "guest-test: ./rdma.test missing"; exit 2; }
 

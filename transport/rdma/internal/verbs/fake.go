@@ -24,12 +24,15 @@ struct rblk_fake {
 	int err;
 	int error_state;
 	int nsend, nrecv, cap;
+	int send_calls, recv_calls; // ibv_post_send and ibv_post_recv calls
 	uint64_t *sent, *recvd;
+	unsigned int *sent_flags; // send_flags of each send taken
 };
 
 static int rblk_fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct ibv_send_wr **bad) {
 	struct rblk_fake *f = qp->qp_context;
 	int i = 0;
+	f->send_calls++;
 	for (; wr; wr = wr->next, i++) {
 		if (f->per_call ? i == f->fail_send_at : f->nsend == f->fail_send_at) {
 			if (!f->per_call)
@@ -37,8 +40,10 @@ static int rblk_fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct
 			*bad = wr;
 			return f->err;
 		}
-		if (f->nsend < f->cap)
+		if (f->nsend < f->cap) {
 			f->sent[f->nsend] = wr->wr_id;
+			f->sent_flags[f->nsend] = wr->send_flags;
+		}
 		f->nsend++;
 	}
 	return 0;
@@ -47,6 +52,7 @@ static int rblk_fake_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr, struct
 static int rblk_fake_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr, struct ibv_recv_wr **bad) {
 	struct rblk_fake *f = qp->qp_context;
 	int i = 0;
+	f->recv_calls++;
 	for (; wr; wr = wr->next, i++) {
 		if (f->per_call ? i == f->fail_recv_at : f->nrecv == f->fail_recv_at) {
 			if (!f->per_call)
@@ -89,9 +95,11 @@ static struct rblk_fake *rblk_fake_new(int cap, int fail_send_at, int fail_recv_
 		return NULL;
 	f->sent = calloc(cap, sizeof(uint64_t));
 	f->recvd = calloc(cap, sizeof(uint64_t));
-	if (!f->sent || !f->recvd) {
+	f->sent_flags = calloc(cap, sizeof(unsigned int));
+	if (!f->sent || !f->recvd || !f->sent_flags) {
 		free(f->sent);
 		free(f->recvd);
+		free(f->sent_flags);
 		free(f);
 		return NULL;
 	}
@@ -113,6 +121,7 @@ static struct rblk_fake *rblk_fake_new(int cap, int fail_send_at, int fail_recv_
 static void rblk_fake_free(struct rblk_fake *f) {
 	free(f->sent);
 	free(f->recvd);
+	free(f->sent_flags);
 	free(f);
 }
 
@@ -203,6 +212,24 @@ func (qp *QP) FakePosted() (sends, recvs []uint64, errorState bool) {
 	sends = slices.Clone(unsafe.Slice((*uint64)(unsafe.Pointer(f.sent)), int(f.cap))[:ns])
 	recvs = slices.Clone(unsafe.Slice((*uint64)(unsafe.Pointer(f.recvd)), int(f.cap))[:nr])
 	return sends, recvs, f.error_state != 0
+}
+
+// FakeSendFlags returns the send_flags of the sends a fake QP took, in
+// order (up to FakeQPConfig.Record).
+func (qp *QP) FakeSendFlags() []uint32 {
+	f := qp.fake.p
+	ns := min(int(f.nsend), int(f.cap))
+	flags := make([]uint32, ns)
+	for i, v := range unsafe.Slice((*C.uint)(unsafe.Pointer(f.sent_flags)), int(f.cap))[:ns] {
+		flags[i] = uint32(v)
+	}
+	return flags
+}
+
+// FakePostCalls returns how many times ibv_post_send and ibv_post_recv
+// were called on a fake QP.
+func (qp *QP) FakePostCalls() (sends, recvs int) {
+	return int(qp.fake.p.send_calls), int(qp.fake.p.recv_calls)
 }
 
 func (f *fakeQP) toError() error {

@@ -328,7 +328,9 @@ static int rblk_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_c
 	attr.send_cq = cq;
 	attr.recv_cq = cq;
 	attr.qp_type = IBV_QPT_RC;
-	attr.sq_sig_all = 1;
+	// Selective signaling: a send request completes only if it carries
+	// IBV_SEND_SIGNALED, or fails.
+	attr.sq_sig_all = 0;
 	attr.cap.max_send_wr = send_wr;
 	attr.cap.max_recv_wr = recv_wr;
 	attr.cap.max_send_sge = 1;
@@ -418,7 +420,23 @@ static int rblk_post_local_inv(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey)
 	return ibv_post_send(qp, &wr, &bad);
 }
 
+// rblk_post_drain posts one signaled zero-length IBV_WR_RDMA_WRITE: on a
+// QP in the error state it completes flushed after everything posted
+// before it; on a working QP it executes (a zero-length RDMA WRITE names
+// no memory: the peer checks no key, IBA C9-88) and completes after
+// everything before it.
+static int rblk_post_drain(struct ibv_qp *qp, uint64_t wr_id) {
+	struct ibv_send_wr wr, *bad = NULL;
+
+	memset(&wr, 0, sizeof(wr));
+	wr.wr_id = wr_id;
+	wr.opcode = IBV_WR_RDMA_WRITE;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	return ibv_post_send(qp, &wr, &bad);
+}
+
 static uint32_t rblk_inc_rkey(uint32_t rkey) { return ibv_inc_rkey(rkey); }
+static int rblk_num_comp_vectors(struct ibv_context *c) { return c->num_comp_vectors; }
 
 static struct ibv_context *rblk_id_verbs(struct rdma_cm_id *id) { return id->verbs; }
 static struct ibv_qp *rblk_id_qp(struct rdma_cm_id *id) { return id->qp; }
@@ -842,8 +860,9 @@ type QPCaps struct {
 }
 
 // CreateQP is rdma_create_qp: an RC QP on pd whose send and receive queues
-// complete on cq, every send request signaled. It allocates the arrays
-// chains of up to chunk requests are posted from.
+// complete on cq, with selective signaling (sq_sig_all = 0: a send request
+// completes only with FlagSignaled, or when it fails). It allocates the
+// arrays chains of up to chunk requests are posted from.
 func (id *CMID) CreateQP(pd *PD, cq *CQ, want QPCaps, chunk int) (*QP, error) {
 	bufs, err := newQPBufs(chunk)
 	if err != nil {
@@ -1094,6 +1113,16 @@ func (qp *QP) PostBindMW(id uint64, mw *MW, mr *MR, addr, length uint64, access 
 	return nil
 }
 
+// PostDrain posts a signaled zero-length RDMA WRITE with wr_id id, alone,
+// outside SendBuf: its completion comes after those of everything posted
+// before it, flushed if the QP is in the error state.
+func (qp *QP) PostDrain(id uint64) error {
+	if e := C.rblk_post_drain(qp.p, C.uint64_t(id)); e != 0 {
+		return errnoErr("ibv_post_send drain", e)
+	}
+	return nil
+}
+
 // PostLocalInv posts a signaled IBV_WR_LOCAL_INV of rkey with wr_id id.
 func (qp *QP) PostLocalInv(id uint64, rkey uint32) error {
 	if e := C.rblk_post_local_inv(qp.p, C.uint64_t(id), C.uint32_t(rkey)); e != 0 {
@@ -1155,9 +1184,14 @@ type CQ struct {
 	batch int
 }
 
-// NewCQ is ibv_create_cq with cqe entries on channel ch. Poll returns up
-// to batch completions per call.
-func (c *Context) NewCQ(cqe int, ch *CompChannel, batch int) (*CQ, error) {
+// NumCompVectors is the device's num_comp_vectors: the completion vectors
+// (interrupts) a CQ may be created on, at least 1.
+func (c *Context) NumCompVectors() int { return max(1, int(C.rblk_num_comp_vectors(c.p))) }
+
+// NewCQ is ibv_create_cq with cqe entries on channel ch, on completion
+// vector vector (below NumCompVectors). Poll returns up to batch
+// completions per call.
+func (c *Context) NewCQ(cqe int, ch *CompChannel, batch, vector int) (*CQ, error) {
 	wc := (*C.struct_ibv_wc)(C.calloc(C.size_t(batch), C.sizeof_struct_ibv_wc))
 	out := (*C.struct_rblk_wc)(C.calloc(C.size_t(batch), C.sizeof_struct_rblk_wc))
 	if wc == nil || out == nil {
@@ -1165,7 +1199,7 @@ func (c *Context) NewCQ(cqe int, ch *CompChannel, batch int) (*CQ, error) {
 		C.free(unsafe.Pointer(out))
 		return nil, errors.New("create CQ: out of memory")
 	}
-	p, err := C.ibv_create_cq(c.p, C.int(cqe), nil, ch.p, 0)
+	p, err := C.ibv_create_cq(c.p, C.int(cqe), nil, ch.p, C.int(vector))
 	if p == nil {
 		C.free(unsafe.Pointer(wc))
 		C.free(unsafe.Pointer(out))
