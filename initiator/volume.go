@@ -172,7 +172,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	v := &Volume{opts: opts, log: opts.Logger, m: opts.Metrics, changed: make(chan struct{}),
 		done: make(chan struct{}), stop: make(chan struct{}), superDone: make(chan struct{})}
 	v.cond = sync.NewCond(&v.mu)
-	mem, err := transport.AllocMemory(opts.PoolSize, false)
+	mem, err := transport.AllocMemory(opts.PoolSize, true) // huge pages where there are
 	if err != nil {
 		return nil, fmt.Errorf("open volume %q: IO buffers: %w", opts.Export, err)
 	}
@@ -192,7 +192,8 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	}
 	v.log.Info("volume opened", zap.String("export", opts.Export), zap.String("target", opts.Target),
 		zap.String("transport", transportInfo), zap.Uint64("size", v.info.VolumeSize),
-		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()))
+		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()),
+		zap.String("io_buffers_huge_pages", v.mem.HugePages()))
 	go v.supervise(s)
 	return v, nil
 }
