@@ -127,10 +127,12 @@ func BenchmarkWriteback(b *testing.B) {
 // nopKey is a grant key of a benchmark: nothing registered.
 type nopKey struct{}
 
-func (nopKey) Addr() uint64             { return 0 }
-func (nopKey) RKey() uint32             { return 0 }
-func (nopKey) Access() transport.Access { return transport.AccessRemoteRead | transport.AccessRemoteWrite }
-func (nopKey) release() error           { return nil }
+func (nopKey) Addr() uint64 { return 0 }
+func (nopKey) RKey() uint32 { return 0 }
+func (nopKey) Access() transport.Access {
+	return transport.AccessRemoteRead | transport.AccessRemoteWrite
+}
+func (nopKey) release() error { return nil }
 
 // BenchmarkDone handles Done messages on a session that holds writable
 // grants of 64 chunks: one 4 KiB range per message, at random in those
