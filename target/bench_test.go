@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/transport"
@@ -31,12 +30,12 @@ func (s *countStore) WriteAt(p []byte, off int64) (int, error) {
 
 func (s *countStore) WriteVAt(bufs [][]byte, off int64) (int, error) {
 	s.writes.Add(1)
-	return unix.Pwritev(int(s.Fd()), bufs, off)
+	return pwritevFile(s.File, bufs, off)
 }
 
 // benchTarget is a target of one export of size bytes on a counting store,
 // whose background write-back never runs during a benchmark.
-func benchTarget(b *testing.B, size int64, chunkSize int) (*Target, *volume, *countStore) {
+func benchTarget(b testing.TB, size int64, chunkSize int) (*Target, *volume, *countStore) {
 	b.Helper()
 	var cs *countStore
 	tg, err := New(Options{
@@ -61,11 +60,11 @@ func benchTarget(b *testing.B, size int64, chunkSize int) (*Target, *volume, *co
 }
 
 // loadChunks loads chunks [0, n) of v.
-func loadChunks(b *testing.B, c *cache, s *session, v *volume, n int) []*chunk {
+func loadChunks(b testing.TB, c *cache, s *session, v *volume, n int) []*chunk {
 	b.Helper()
 	var out []*chunk
 	for i := range n {
-		ch, err := c.get(context.Background(), s, v, uint64(i))
+		ch, _, _, err := c.get(context.Background(), s, v, uint64(i))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -209,7 +208,7 @@ func BenchmarkDone(b *testing.B) {
 // call its handlers directly (and send nothing).
 func benchSession(tg *Target) *session {
 	s := &session{t: tg, id: 1, log: zap.NewNop(), ready: make(chan struct{}), ended: make(chan struct{}),
-		handles: make(map[uint32]*openVol), chunks: make(map[*chunk]struct{})}
+		handles: make(map[uint32]*openVol), grants: make(map[chunkKey]*chunk)}
 	close(s.ready)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	return s
@@ -223,6 +222,6 @@ func benchGrant(s *session, ch *chunk, handle uint32) {
 	c.mu.Unlock()
 	s.held.Add(1)
 	s.mu.Lock()
-	s.chunks[ch] = struct{}{}
+	s.grants[ch.key] = ch
 	s.mu.Unlock()
 }
