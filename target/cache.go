@@ -114,6 +114,7 @@ type cache struct {
 	// for the fair share.
 	sessions atomic.Int64
 	progress *atomic.Uint64 // the target's drain progress: bumped per write-back
+	maxWrite uint64         // the most bytes of a vectored write-back (maxWriteBytes)
 
 	ctx    context.Context // the evictions' lifetime: ends when the target closes
 	cancel context.CancelFunc
@@ -142,7 +143,7 @@ func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL 
 	if err != nil {
 		return nil, fmt.Errorf("cache: %w", err)
 	}
-	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
+	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, maxWrite: maxWriteBytes, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
 		patience: min(revokeTTL/20, 250*time.Millisecond), chunks: make(map[chunkKey]*chunk)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.cond = sync.NewCond(&c.mu)

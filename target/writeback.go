@@ -24,7 +24,7 @@ import (
 //     blocks);
 //   - runs adjacent in the file, in different chunks (and so different
 //     cache slots), are written with one vectored write (pwritev), up to
-//     iovMax buffers;
+//     iovMax buffers and c.maxWrite bytes;
 //   - a pass sorts what it writes by file offset.
 
 // mergeGapBlocks is the most clean blocks between two dirty runs of a
@@ -41,6 +41,11 @@ const mergeGapBlocks = 1
 // iovMax is the most buffers one vectored write takes (Linux's IOV_MAX,
 // UIO_MAXIOV).
 const iovMax = 1024
+
+// maxWriteBytes bounds a vectored write: the chunks of a pending write stay
+// locked until it is written, and past a few MiB a write saves nothing more
+// (a run of one chunk longer than that is still written at once).
+const maxWriteBytes = 16 << 20
 
 // VectorWriterAt is a Store that also writes several buffers at once: a
 // Store put in front of the file (Options.WrapStore) may implement it so that
@@ -300,7 +305,7 @@ func (p *wbPass) add(ch *chunk, held bool) {
 	for _, r := range p.runs {
 		from, to := r.b*dirtyBlock, min(r.e*dirtyBlock, n)
 		off := ch.off + from
-		if len(p.segs) > 0 && (off != p.end || len(p.iov) == iovMax) {
+		if len(p.segs) > 0 && (off != p.end || len(p.iov) == iovMax || p.end-p.off+(to-from) > p.c.maxWrite) {
 			p.flush()
 		}
 		if len(p.segs) == 0 {

@@ -136,13 +136,16 @@ type recStore struct {
 	mu     sync.Mutex
 	writes []storeWrite
 	fail   error
+	delay  time.Duration // before each write: a slow disk
 }
 
 func (r *recStore) record(w storeWrite) error {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	r.writes = append(r.writes, w)
-	return r.fail
+	fail, delay := r.fail, r.delay
+	r.mu.Unlock()
+	time.Sleep(delay)
+	return fail
 }
 
 func (r *recStore) WriteAt(p []byte, off int64) (int, error) {
@@ -387,6 +390,33 @@ func TestWritebackMerges(t *testing.T) {
 	}
 }
 
+// TestWritebackMaxWrite: a vectored write stops at c.maxWrite bytes, but
+// not within a chunk's run.
+func TestWritebackMaxWrite(t *testing.T) {
+	const C = wbChunk64
+	e := newWBEnv(t, "vectored")
+	e.c.maxWrite = 2 * C
+	e.write(0, fill(wbVolSize, 5))
+	if err := e.c.flush(e.v); err != nil {
+		t.Fatal(err)
+	}
+	e.check("after flush")
+	want := []storeWrite{{0, 2 * C, 2}, {2 * C, C + 5000, 2}}
+	if got := e.st.take(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("writes %v, want %v", got, want)
+	}
+	e.c.maxWrite = C / 2
+	e.write(C-10, fill(C+20, 6))
+	if err := e.c.flush(e.v); err != nil {
+		t.Fatal(err)
+	}
+	e.check("after the second flush")
+	want = []storeWrite{{C - 4096, 4096, 1}, {C, C, 1}, {2 * C, 4096, 1}}
+	if got := e.st.take(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("writes %v, want %v", got, want)
+	}
+}
+
 // TestWritebackFailure: a failed write (a vectored one, over two chunks,
 // and one that bridged a clean block) leaves exactly the blocks that were
 // dirty dirty again, the flush reports it, and the next one writes them.
@@ -478,6 +508,9 @@ func TestWritebackRandom(t *testing.T) {
 func TestWritebackConcurrent(t *testing.T) {
 	const K, writers = 4096, 3
 	e := newWBEnv(t, "vectored")
+	e.st.mu.Lock()
+	e.st.delay = 20 * time.Microsecond // writes that take a while, so that passes overlap
+	e.st.mu.Unlock()
 	nblocks := (wbVolSize + K - 1) / K
 	trimmed := func(b int) bool { return b%5 == 2 }
 	var wg sync.WaitGroup
