@@ -75,37 +75,37 @@ func (s *session) refuse(tag uint64, r *authRefusal) {
 
 // authStart answers AuthStart: it names the session's host, checks the
 // host's limits and, on a target with keys, challenges it.
-func (s *session) authStart(tag uint64, m *protocol.AuthStart) (string, error) {
+func (s *session) authStart(tag uint64, m *protocol.AuthStart) (*opMetrics, error) {
 	t := s.t
 	keys := t.opts.Auth
 	s.mu.Lock()
 	if s.state != stateNew {
 		s.mu.Unlock()
 		s.refuse(tag, &authRefusal{reason: "unauthenticated_request", text: "AuthStart sent twice"})
-		return "", nil
+		return nil, nil
 	}
 	s.host = m.HostID
 	s.mu.Unlock()
 	if keys != nil {
 		if m.HostID == "" {
 			s.refuse(tag, &authRefusal{reason: "unknown_host", text: "no host ID given; this target authenticates every host"})
-			return "", nil
+			return nil, nil
 		}
 		if _, ok := keys.Secret(m.HostID); !ok {
 			s.refuse(tag, &authRefusal{reason: "unknown_host", text: fmt.Sprintf("unknown host %q (not in the target's auth file)", m.HostID)})
-			return "", nil
+			return nil, nil
 		}
 		if m.Flags&protocol.AuthHaveSecret == 0 {
 			s.refuse(tag, &authRefusal{reason: "no_secret", text: fmt.Sprintf("host %q gave no secret; this target requires one (rblk-attach --secret-file)", m.HostID)})
-			return "", nil
+			return nil, nil
 		}
 	}
 	if err := t.admitHost(s, m.HostID); err != nil {
-		return "auth", err
+		return t.m.opAuth, err
 	}
 	ct, err := auth.NewChallenge()
 	if err != nil {
-		return "auth", err
+		return t.m.opAuth, err
 	}
 	reply := &protocol.AuthChallenge{TargetID: t.opts.TargetID, Challenge: ct}
 	s.mu.Lock()
@@ -121,17 +121,17 @@ func (s *session) authStart(tag uint64, m *protocol.AuthStart) (string, error) {
 		s.log.Info("host identified (not authenticated: no --auth-file)", zap.String("host_id", m.HostID))
 	}
 	s.reply(tag, reply)
-	return "auth", nil
+	return t.m.opAuth, nil
 }
 
 // authResponse checks the initiator's proof and answers with the target's.
-func (s *session) authResponse(tag uint64, m *protocol.AuthResponse) (string, error) {
+func (s *session) authResponse(tag uint64, m *protocol.AuthResponse) (*opMetrics, error) {
 	t := s.t
 	s.mu.Lock()
 	if s.state != stateChallenged {
 		s.mu.Unlock()
 		s.refuse(tag, &authRefusal{reason: "unauthenticated_request", text: "AuthResponse without a challenge"})
-		return "", nil
+		return nil, nil
 	}
 	host, ci, ct := s.host, s.ci, s.ct
 	s.mu.Unlock()
@@ -139,12 +139,12 @@ func (s *session) authResponse(tag uint64, m *protocol.AuthResponse) (string, er
 	want := auth.Proof(secret, auth.RoleInitiator, host, t.opts.TargetID, &ci, &ct)
 	if !auth.Equal(&want, &m.Proof) {
 		s.refuse(tag, &authRefusal{reason: "wrong_secret", text: fmt.Sprintf("wrong secret for host %q", host)})
-		return "", nil
+		return nil, nil
 	}
 	s.mu.Lock()
 	s.state = stateReady
 	s.mu.Unlock()
 	s.log.Info("host authenticated", zap.String("host_id", host))
 	s.reply(tag, &protocol.AuthAccept{Proof: auth.Proof(secret, auth.RoleTarget, host, t.opts.TargetID, &ci, &ct)})
-	return "auth", nil
+	return t.m.opAuth, nil
 }

@@ -16,7 +16,8 @@ import (
 
 // dirtyBlock is the granularity of dirty tracking: a write marks the
 // dirtyBlock-sized blocks it touches, and write-back writes whole blocks from
-// the cached copy (which holds the whole chunk, so this is always correct).
+// the cached copy (which holds the whole chunk, so this is always correct),
+// a few clean ones too when that saves a write (see writeback.go).
 const dirtyBlock = 4096
 
 type chunkState uint8
@@ -58,24 +59,42 @@ type chunk struct {
 	dead    bool       // evicted: the slot may hold another chunk (guarded by wbMu)
 	dirtyMu sync.Mutex
 	dirty   []uint64 // bitmap of dirty blocks
+	// holes is the bitmap of blocks trimmed and not written since (their
+	// range of the file may be deallocated): write-back does not write
+	// them to merge the dirty runs around them (see mergeRuns).
+	holes []uint64
+	// queued: on its volume's dirty list (see volume.markDirty).
+	queued atomic.Bool
 }
 
 // markDirty marks the blocks of [from, to) (offsets within the chunk).
 func (ch *chunk) markDirty(from, to uint64) {
+	b, e := from/dirtyBlock, (to+dirtyBlock-1)/dirtyBlock
 	ch.dirtyMu.Lock()
-	defer ch.dirtyMu.Unlock()
-	for b := from / dirtyBlock; b*dirtyBlock < to; b++ {
-		ch.dirty[b/64] |= 1 << (b % 64)
-	}
+	setBits(ch.dirty, b, e)
+	clearBits(ch.holes, b, e)
+	ch.dirtyMu.Unlock()
 }
 
-// clearDirty clears the blocks wholly inside [from, to).
-func (ch *chunk) clearDirty(from, to uint64) {
-	ch.dirtyMu.Lock()
-	defer ch.dirtyMu.Unlock()
-	for b := (from + dirtyBlock - 1) / dirtyBlock; (b+1)*dirtyBlock <= to; b++ {
-		ch.dirty[b/64] &^= 1 << (b % 64)
+// zeroed clears the dirty blocks wholly inside [from, to), which were just
+// zeroed in the cache and are being zeroed in the file, and records them as
+// holes if the file's range may be deallocated. The last block of a chunk
+// whose length is not a multiple of dirtyBlock is wholly inside when to is
+// the chunk's end.
+func (ch *chunk) zeroed(from, to uint64, hole bool) {
+	b, e := (from+dirtyBlock-1)/dirtyBlock, to/dirtyBlock
+	if to == uint64(len(ch.buf)) {
+		e = (to + dirtyBlock - 1) / dirtyBlock
 	}
+	if b >= e {
+		return
+	}
+	ch.dirtyMu.Lock()
+	clearBits(ch.dirty, b, e)
+	if hole {
+		setBits(ch.holes, b, e)
+	}
+	ch.dirtyMu.Unlock()
 }
 
 // cache is the target's bounded cache of registered chunks, shared by all
@@ -95,6 +114,7 @@ type cache struct {
 	// for the fair share.
 	sessions atomic.Int64
 	progress *atomic.Uint64 // the target's drain progress: bumped per write-back
+	maxWrite uint64         // the most bytes of a vectored write-back (maxWriteBytes)
 
 	ctx    context.Context // the evictions' lifetime: ends when the target closes
 	cancel context.CancelFunc
@@ -123,7 +143,7 @@ func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL 
 	if err != nil {
 		return nil, fmt.Errorf("cache: %w", err)
 	}
-	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
+	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, maxWrite: maxWriteBytes, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
 		patience: min(revokeTTL/20, 250*time.Millisecond), chunks: make(map[chunkKey]*chunk)}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.cond = sync.NewCond(&c.mu)
@@ -157,12 +177,13 @@ func (c *cache) wait(ctx context.Context, d time.Duration) error {
 }
 
 // get returns chunk idx of v, loaded and pinned, for session s (which may
-// be nil). The caller unpins it. When the cache is full it evicts: a chunk
-// of s's own if s holds more than its fair share, else the least recently
-// granted chunk, preferring chunks whose holders answer revokes; if that
-// eviction has not freed a slot after c.patience it starts another, so a
-// holder slow to answer does not stall the rest.
-func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*chunk, error) {
+// be nil), and s's grant of it if it holds one. The caller unpins it. When
+// the cache is full it evicts: a chunk of s's own if s holds more than its
+// fair share, else the least recently granted chunk, preferring chunks
+// whose holders answer revokes; if that eviction has not freed a slot after
+// c.patience it starts another, so a holder slow to answer does not stall
+// the rest.
+func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*chunk, holder, bool, error) {
 	key := chunkKey{v, idx}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -170,14 +191,15 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 	var started time.Time
 	for {
 		if err := ctx.Err(); err != nil {
-			return nil, err
+			return nil, holder{}, false, err
 		}
 		if ch := c.chunks[key]; ch != nil {
 			switch ch.state {
 			case chunkReady:
 				ch.pins++
 				c.lru.MoveToFront(ch.elem)
-				return ch, nil
+				hd, held := ch.holders[s]
+				return ch, hd, held, nil
 			case chunkLoading:
 				loaded := ch.loaded
 				c.mu.Unlock()
@@ -188,14 +210,14 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 				c.mu.Lock()
 			case chunkEvicting:
 				if err := c.wait(ctx, 0); err != nil {
-					return nil, err
+					return nil, holder{}, false, err
 				}
 			}
 			continue
 		}
 		if len(c.free) == 0 {
 			if ev != nil && ev.finished && ev.err != nil {
-				return nil, ev.err
+				return nil, holder{}, false, ev.err
 			}
 			if ev == nil || ev.finished || time.Since(started) >= c.patience {
 				if victim := c.victim(s); victim != nil {
@@ -212,20 +234,21 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 				}
 			}
 			if err := c.wait(ctx, c.patience); err != nil {
-				return nil, err
+				return nil, holder{}, false, err
 			}
 			continue
 		}
 		slot := c.free[len(c.free)-1]
 		c.free = c.free[:len(c.free)-1]
 		n := min(uint64(c.chunkSize), v.size-idx*uint64(c.chunkSize))
+		words := (c.chunkSize/dirtyBlock + 63) / 64
 		// A window over the slot may reach all of it (see grantkey.go):
 		// the tail past a short last chunk must not hold another
 		// chunk's data.
 		clear(c.slotBytes(slot)[n:])
 		ch := &chunk{key: key, off: idx * uint64(c.chunkSize), slot: slot, buf: c.slotBytes(slot)[:n],
 			state: chunkLoading, loaded: make(chan struct{}), pins: 1, holders: make(map[*session]holder),
-			dirty: make([]uint64, (c.chunkSize/dirtyBlock+63)/64)}
+			dirty: make([]uint64, words), holes: make([]uint64, words)}
 		c.chunks[key] = ch
 		c.mu.Unlock()
 		err := c.load(v, ch)
@@ -235,14 +258,14 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 			delete(c.chunks, key)
 			c.free = append(c.free, slot)
 			c.cond.Broadcast()
-			return nil, err
+			return nil, holder{}, false, err
 		}
 		c.gen++
 		ch.gen = c.gen
 		ch.state = chunkReady
 		ch.elem = c.lru.PushFront(ch)
 		c.m.cacheUsed.Add(float64(c.chunkSize))
-		return ch, nil
+		return ch, holder{}, false, nil
 	}
 }
 
@@ -263,7 +286,7 @@ func (c *cache) load(v *volume, ch *chunk) error {
 	v.ioMu.RLock()
 	defer v.ioMu.RUnlock()
 	if _, err := v.f.ReadAt(ch.buf, int64(ch.off)); err != nil {
-		c.m.errors.WithLabelValues("load").Inc()
+		c.m.errLoad.Inc()
 		return fmt.Errorf("load chunk at %d of %q: %w", ch.off, v.name, err)
 	}
 	c.m.loads.Inc()
@@ -407,7 +430,7 @@ func (c *cache) dropHolder(ch *chunk, s *session) {
 	}
 	s.held.Add(-1)
 	if err := h.key.release(); err != nil {
-		c.m.errors.WithLabelValues("deregister").Inc()
+		c.m.errDeregister.Inc()
 		c.log.Error("deregister a chunk's grant failed: its cache slot is taken out of use",
 			zap.Uint64("session", s.id), zap.Uint64("offset", ch.off), zap.Error(err))
 		c.mu.Lock()
@@ -432,84 +455,6 @@ func (c *cache) dropHolderLost(ch *chunk, s *session) {
 		ch.key.vol.markDirty(ch)
 	}
 	c.dropHolder(ch, s)
-}
-
-// writeback writes ch's dirty blocks to its volume's file.
-func (c *cache) writeback(ch *chunk) error {
-	ch.wbMu.Lock()
-	defer ch.wbMu.Unlock()
-	if ch.dead {
-		return nil
-	}
-	return c.writebackLocked(ch)
-}
-
-// writebackLocked writes the dirty blocks; ch.wbMu is held. On failure the
-// blocks stay dirty and the volume remembers the error for the next flush.
-func (c *cache) writebackLocked(ch *chunk) error {
-	v := ch.key.vol
-	ch.dirtyMu.Lock()
-	var snap [64]uint64
-	words := snap[:len(ch.dirty)]
-	if len(ch.dirty) > len(snap) {
-		words = make([]uint64, len(ch.dirty))
-	}
-	copy(words, ch.dirty)
-	clear(ch.dirty)
-	ch.dirtyMu.Unlock()
-
-	n := uint64(len(ch.buf))
-	nblocks := (n + dirtyBlock - 1) / dirtyBlock
-	var firstErr error
-	isDirty := func(b uint64) bool { return words[b/64]&(1<<(b%64)) != 0 }
-	for b := uint64(0); b < nblocks; {
-		if words[b/64]>>(b%64) == 0 {
-			b += 64 - b%64 // nothing dirty in the rest of this word
-			continue
-		}
-		if !isDirty(b) {
-			b++
-			continue
-		}
-		e := b + 1
-		for e < nblocks && isDirty(e) {
-			e++
-		}
-		from, to := b*dirtyBlock, min(e*dirtyBlock, n)
-		if _, err := v.f.WriteAt(ch.buf[from:to], int64(ch.off+from)); err != nil {
-			c.m.errors.WithLabelValues("writeback").Inc()
-			ch.markDirty(from, to)
-			if firstErr == nil {
-				firstErr = fmt.Errorf("write back %d bytes at %d of %q: %w", to-from, ch.off+from, v.name, err)
-			}
-		} else {
-			c.progress.Add(1)
-			c.m.writebackOps.Inc()
-			c.m.writebackBytes.Add(float64(to - from))
-		}
-		b = e
-	}
-	if firstErr != nil {
-		v.setErr(firstErr)
-		v.markDirty(ch)
-	}
-	return firstErr
-}
-
-// writebackVolume writes back every dirty chunk of v. When it returns,
-// every range marked dirty before it was called is written (or its error
-// recorded), including ranges an earlier pass had taken: passes are
-// serialized by v.passMu.
-func (c *cache) writebackVolume(v *volume) error {
-	v.passMu.Lock()
-	defer v.passMu.Unlock()
-	var firstErr error
-	for _, ch := range v.takeDirty() {
-		if err := c.writeback(ch); err != nil && firstErr == nil {
-			firstErr = err
-		}
-	}
-	return firstErr
 }
 
 // flush makes every range marked dirty before the call durable: the chunks
@@ -567,7 +512,7 @@ func (c *cache) zeroRange(v *volume, off, n uint64, noHole bool) error {
 			from := max(off, ch.off) - ch.off
 			to := min(off+n, ch.off+uint64(len(ch.buf))) - ch.off
 			clear(ch.buf[from:to])
-			ch.clearDirty(from, to)
+			ch.zeroed(from, to, !noHole)
 		}
 		ch.wbMu.Unlock()
 	}

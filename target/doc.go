@@ -25,7 +25,9 @@
 //     initiator acknowledges once it no longer uses it, after its last Done),
 //     deregisters the regions, writes dirty blocks back, then reuses the slot;
 //   - write back the dirty ranges named by Done messages, asynchronously and
-//     coalesced;
+//     coalesced: in file order, neighbouring ranges of a chunk merged into
+//     one write, ranges of chunks adjacent in the file into one vectored
+//     write (see writeback.go);
 //   - Flush: reply only after every range of an earlier Done is written back
 //     and the file fdatasync'd, reporting any write-back error since the last
 //     flush;

@@ -122,7 +122,8 @@ func ParseSize(s string) (int64, error) {
 // disk in tests.
 type Store interface {
 	// ReadAt and WriteAt are those of io.ReaderAt and io.WriterAt; they may
-	// be called concurrently on different ranges.
+	// be called concurrently on different ranges. A Store may also
+	// implement VectorWriterAt.
 	ReadAt(p []byte, off int64) (int, error)
 	WriteAt(p []byte, off int64) (int, error)
 	// Sync makes every write that returned before it was called durable.
@@ -148,8 +149,8 @@ type volume struct {
 	ioMu sync.RWMutex
 
 	dirtyMu  sync.Mutex
-	dirty    map[*chunk]struct{}
-	wbErr    error // first write-back error since the last flush
+	dirty    []*chunk // the chunks queued for write-back (chunk.queued)
+	wbErr    error    // first write-back error since the last flush
 	wbSignal chan struct{}
 
 	// passMu is held by a write-back pass from the moment it takes dirty
@@ -185,7 +186,7 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 		return nil, fmt.Errorf("export %q: stat %s: %w", e.Name, e.Path, err)
 	}
 	v := &volume{cfg: e, id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
-		dirty: make(map[*chunk]struct{}), wbSignal: make(chan struct{}, 1)}
+		wbSignal: make(chan struct{}, 1)}
 	switch mode := st.Mode(); {
 	case mode.IsRegular():
 		v.size = uint64(st.Size())
@@ -207,10 +208,19 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 	return v, nil
 }
 
-// markDirty queues ch for write-back.
+// markDirty queues ch for write-back, unless it is queued already. The
+// caller marked the blocks dirty before: a chunk seen queued here is taken
+// off the list (takeDirty) after those blocks were marked, so the pass that
+// takes it writes them.
 func (v *volume) markDirty(ch *chunk) {
+	if ch.queued.Load() {
+		return
+	}
 	v.dirtyMu.Lock()
-	v.dirty[ch] = struct{}{}
+	if !ch.queued.Load() {
+		ch.queued.Store(true)
+		v.dirty = append(v.dirty, ch)
+	}
 	v.dirtyMu.Unlock()
 	select {
 	case v.wbSignal <- struct{}{}:
@@ -218,13 +228,14 @@ func (v *volume) markDirty(ch *chunk) {
 	}
 }
 
+// takeDirty takes the queued chunks off the list.
 func (v *volume) takeDirty() []*chunk {
 	v.dirtyMu.Lock()
 	defer v.dirtyMu.Unlock()
-	out := make([]*chunk, 0, len(v.dirty))
-	for ch := range v.dirty {
-		out = append(out, ch)
-		delete(v.dirty, ch)
+	out := v.dirty
+	v.dirty = nil
+	for _, ch := range out {
+		ch.queued.Store(false)
 	}
 	return out
 }

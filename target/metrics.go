@@ -27,6 +27,29 @@ type Metrics struct {
 	flushSeconds   prometheus.Histogram
 	cacheUsed      prometheus.Gauge
 	cacheBudget    prometheus.Gauge
+
+	// The children of the labelled collectors that requests and write-back
+	// use, resolved once: no label lookup per request.
+	opAuth, opList, opOpen, opGrant, opFlush, opTrim, opWriteZeroes, opClose, opDoneFUA *opMetrics
+	errWriteback, errLoad, errDeregister, errProtocol                                   prometheus.Counter
+}
+
+// opMetrics are the children of the per-operation collectors for one
+// operation.
+type opMetrics struct {
+	name    string
+	seconds prometheus.Observer // request_duration_seconds{op}
+	ok      prometheus.Counter  // requests_total{op, result="ok"}
+	failed  prometheus.Counter  // requests_total{op, result="error"}
+	errors  prometheus.Counter  // errors_total{op}
+}
+
+// newOp resolves the children of op. They are created (at 0) with the
+// target, as the other collectors are.
+func (m *Metrics) newOp(op string) *opMetrics {
+	return &opMetrics{name: op, seconds: m.requestSeconds.WithLabelValues(op),
+		ok: m.requests.WithLabelValues(op, "ok"), failed: m.requests.WithLabelValues(op, "error"),
+		errors: m.errors.WithLabelValues(op)}
 }
 
 // NewMetrics creates the collectors and registers them with reg (if not nil).
@@ -67,6 +90,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		cacheUsed:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_used_bytes", Help: "Registered cache memory holding chunks."}),
 		cacheBudget:    prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_budget_bytes", Help: "Registered cache memory in all."}),
 	}
+	m.opAuth, m.opList, m.opOpen, m.opGrant = m.newOp("auth"), m.newOp("list"), m.newOp("open"), m.newOp("grant")
+	m.opFlush, m.opTrim, m.opWriteZeroes, m.opClose = m.newOp("flush"), m.newOp("trim"), m.newOp("write_zeroes"), m.newOp("close")
+	m.opDoneFUA = m.newOp("done_fua")
+	m.errWriteback, m.errLoad = m.errors.WithLabelValues("writeback"), m.errors.WithLabelValues("load")
+	m.errDeregister, m.errProtocol = m.errors.WithLabelValues("deregister"), m.errors.WithLabelValues("protocol")
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
 			m.authFailures, m.refused, m.takeovers, m.hostSessions,

@@ -47,7 +47,11 @@ type session struct {
 	mu      sync.Mutex
 	handles map[uint32]*openVol
 	next    uint32
-	chunks  map[*chunk]struct{} // chunks this session holds grants of
+	// grants indexes the chunks this session holds grants of: a Done
+	// names ranges, and finds their chunks here, without the cache's lock.
+	// A chunk leaves it before its grant ends (ch.holders), so a Done
+	// never marks a chunk dirty whose grant is gone.
+	grants map[chunkKey]*chunk
 
 	done protocol.Done // reused by the completion goroutine
 
@@ -112,7 +116,7 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 
 // protocolError ends the session: the peer sent something malformed.
 func (s *session) protocolError(err error) {
-	s.t.m.errors.WithLabelValues("protocol").Inc()
+	s.t.m.errProtocol.Inc()
 	s.log.Warn("protocol error, closing session", zap.Error(err))
 	go s.link.Close()
 }
@@ -123,13 +127,13 @@ func (s *session) reply(tag uint64, m protocol.Message) {
 	}
 }
 
-func (s *session) replyErr(tag uint64, op string, err error) {
+func (s *session) replyErr(tag uint64, op *opMetrics, err error) {
 	code := protocol.CodeOf(err)
-	s.t.m.errors.WithLabelValues(op).Inc()
+	op.errors.Inc()
 	// (Refused opens and stale requests are logged where they are refused,
 	// with the host, or are the initiator's business.)
 	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm && code != protocol.CodeAccess {
-		s.log.Warn("request failed", zap.String("op", op), zap.Error(err))
+		s.log.Warn("request failed", zap.String("op", op.name), zap.Error(err))
 	}
 	s.reply(tag, protocol.ErrorFor(err))
 }
@@ -156,21 +160,23 @@ func (s *session) serve(h protocol.Header, m protocol.Message) {
 	start := time.Now()
 	op, err := s.dispatch(h.Tag, m)
 	s.t.progress.Add(1)
-	if op == "" {
+	if op == nil {
 		return
 	}
-	s.t.m.requestSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
+	op.seconds.Observe(time.Since(start).Seconds())
 	if err != nil {
-		s.t.m.requests.WithLabelValues(op, "error").Inc()
+		op.failed.Inc()
 		s.replyErr(h.Tag, op, err)
 		return
 	}
-	s.t.m.requests.WithLabelValues(op, "ok").Inc()
+	op.ok.Inc()
 }
 
 // dispatch serves one request. It sends the success reply itself and returns
-// the operation's name and its error, which the caller replies with.
-func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
+// the operation's metrics (nil: no reply) and its error, which the caller
+// replies with.
+func (s *session) dispatch(tag uint64, m protocol.Message) (*opMetrics, error) {
+	om := s.t.m
 	switch m := m.(type) {
 	case *protocol.AuthStart:
 		return s.authStart(tag, m)
@@ -178,15 +184,15 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 		return s.authResponse(tag, m)
 	case *protocol.ListExports:
 		s.reply(tag, s.t.exportList(s.hostID()))
-		return "list", nil
+		return om.opList, nil
 	case *protocol.Open:
 		info, err := s.open(m)
 		if err == nil {
 			s.reply(tag, info)
 		}
-		return "open", err
+		return om.opOpen, err
 	case *protocol.GrantRequest:
-		return "grant", s.grant(tag, m)
+		return om.opGrant, s.grant(tag, m)
 	case *protocol.Flush:
 		ov, err := s.lookup(m.Handle)
 		if err == nil {
@@ -198,26 +204,26 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (string, error) {
 		if err == nil {
 			s.reply(tag, &protocol.OK{})
 		}
-		return "flush", err
+		return om.opFlush, err
 	case *protocol.Trim:
-		return "trim", s.zero(tag, m.Handle, m.Offset, m.Length, false, m.Flags&protocol.FlagFUA != 0)
+		return om.opTrim, s.zero(tag, m.Handle, m.Offset, m.Length, false, m.Flags&protocol.FlagFUA != 0)
 	case *protocol.WriteZeroes:
-		return "write_zeroes", s.zero(tag, m.Handle, m.Offset, m.Length, m.Flags&protocol.FlagNoHole != 0, m.Flags&protocol.FlagFUA != 0)
+		return om.opWriteZeroes, s.zero(tag, m.Handle, m.Offset, m.Length, m.Flags&protocol.FlagNoHole != 0, m.Flags&protocol.FlagFUA != 0)
 	case *protocol.Close:
 		s.mu.Lock()
 		ov, ok := s.handles[m.Handle]
 		delete(s.handles, m.Handle)
 		s.mu.Unlock()
 		if !ok {
-			return "close", fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
+			return om.opClose, fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
 		}
 		s.dropGrants(ov)
 		s.t.forget(s, ov)
 		s.reply(tag, &protocol.OK{})
-		return "close", nil
+		return om.opClose, nil
 	default:
 		s.protocolError(fmt.Errorf("unexpected %v from initiator: %w", m.Type(), protocol.ErrProtocol))
-		return "", nil
+		return nil, nil
 	}
 }
 
@@ -309,15 +315,12 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		return fmt.Errorf("write grant on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
 	}
 	c := s.t.cache
-	ch, err := c.get(s.ctx, s, ov.v, m.Offset/uint64(c.chunkSize))
+	ch, hd, held, err := c.get(s.ctx, s, ov.v, m.Offset/uint64(c.chunkSize))
 	if err != nil {
 		return err
 	}
 	defer c.unpin(ch)
 
-	c.mu.Lock()
-	hd, held := ch.holders[s]
-	c.mu.Unlock()
 	if !held || (ov.writable && hd.key.Access()&transport.AccessRemoteWrite == 0) {
 		access := transport.AccessRemoteRead
 		if ov.writable {
@@ -336,7 +339,7 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 			if err := old.key.release(); err != nil {
 				// The read-only registration stays reachable: keep the
 				// slot out of use, as dropHolder does.
-				c.m.errors.WithLabelValues("deregister").Inc()
+				c.m.errDeregister.Inc()
 				s.log.Error("deregister a replaced grant failed: its cache slot is taken out of use", zap.Error(err))
 				c.mu.Lock()
 				ch.leaked = true
@@ -348,7 +351,7 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		s.mu.Lock()
 		fenced := s.fenced
 		if !fenced {
-			s.chunks[ch] = struct{}{}
+			s.grants[ch.key] = ch
 		}
 		s.mu.Unlock()
 		if fenced {
@@ -383,6 +386,7 @@ func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience
 		s.slowRevokes.Add(-1)
 	}
 	s.t.m.revokes.Inc()
+	s.forgetGrant(ch)
 	if err != nil && s.link.Err() == nil && s.t.ctx.Err() == nil {
 		s.log.Warn("initiator did not give a chunk back in time, closing its session",
 			zap.Uint64("offset", ch.off), zap.Duration("waited", ttl), zap.Error(err))
@@ -395,96 +399,118 @@ func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience
 	} else {
 		s.t.cache.dropHolder(ch, s)
 	}
+}
+
+// forgetGrant takes ch out of the session's index of grants.
+func (s *session) forgetGrant(ch *chunk) {
 	s.mu.Lock()
-	delete(s.chunks, ch)
+	if s.grants[ch.key] == ch {
+		delete(s.grants, ch.key)
+	}
 	s.mu.Unlock()
 }
 
 // handleDone marks the ranges of a Done dirty. It runs on the completion
 // goroutine; a Done with FUA is made durable and answered on another.
+//
+// It takes no lock but the session's (and the chunks' dirty bitmaps'): the
+// handle and the chunks come from the session's own maps, and a chunk that
+// is already queued for write-back is not queued again.
 func (s *session) handleDone(h protocol.Header, payload []byte) {
 	d := &s.done
 	if err := d.Unmarshal(payload); err != nil {
 		s.protocolError(fmt.Errorf("decode Done: %w", err))
 		return
 	}
-	ov, err := s.lookup(d.Handle)
-	if err == nil && !ov.writable {
-		err = fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
-	}
-	if err == nil && ov.fenced.Load() {
-		// Fenced (a reinstatement or a takeover) while this Done was on
-		// its way: its grants are gone and its session is being closed,
-		// with a notice the initiator should get; not a protocol error.
-		// The chunks it held writable are written back whole.
-		return
-	}
-	if err == nil {
-		err = ov.current(d.Generation)
-	}
-	if err != nil {
-		s.protocolError(err)
-		return
-	}
-	c := s.t.cache
-	cs := uint64(c.chunkSize)
 	fua := d.Flags&protocol.DoneFUA != 0
-	var fuaChunks []*chunk
-	for _, r := range d.Ranges {
-		if err := checkRange(ov.v, r.Offset, r.Length); err != nil {
-			s.protocolError(fmt.Errorf("done: %w", err))
-			return
+	s.mu.Lock()
+	ov, fuaChunks, err := s.doneLocked(d, fua)
+	s.mu.Unlock()
+	if err != nil {
+		if !errors.Is(err, errFencedDone) {
+			s.protocolError(err)
 		}
-		s.t.m.doneBytes.Add(float64(r.Length))
-		for idx := r.Offset / cs; idx*cs < r.Offset+r.Length; idx++ {
-			c.mu.Lock()
-			ch := c.chunks[chunkKey{ov.v, idx}]
-			var held bool
-			if ch != nil {
-				_, held = ch.holders[s]
-			}
-			c.mu.Unlock()
-			if !held {
-				// The initiator wrote where it holds no grant: its data is
-				// not in the cache any more. That is a broken initiator.
-				s.protocolError(fmt.Errorf("done for chunk at %d of %q that this session holds no grant of: %w", idx*cs, ov.v.name, protocol.ErrStale))
-				return
-			}
-			from := max(r.Offset, ch.off) - ch.off
-			to := min(r.Offset+r.Length, ch.off+uint64(len(ch.buf))) - ch.off
-			ch.markDirty(from, to)
-			ov.v.markDirty(ch)
-			if fua {
-				fuaChunks = append(fuaChunks, ch)
-			}
-		}
-	}
-	if !fua {
 		return
 	}
-	tag := h.Tag
-	v := ov.v
+	if fua {
+		s.doneFUA(h.Tag, ov.v, fuaChunks)
+	}
+}
+
+// doneFUA makes the chunks of a Done with FUA durable and replies, on a
+// goroutine of its own.
+func (s *session) doneFUA(tag uint64, v *volume, chunks []*chunk) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		start := time.Now()
-		err := s.durable(v, fuaChunks)
-		s.t.m.requestSeconds.WithLabelValues("done_fua").Observe(time.Since(start).Seconds())
+		err := s.durable(v, chunks)
+		s.t.m.opDoneFUA.seconds.Observe(time.Since(start).Seconds())
 		if err != nil {
-			s.replyErr(tag, "done_fua", err)
+			s.replyErr(tag, s.t.m.opDoneFUA, err)
 			return
 		}
 		s.reply(tag, &protocol.OK{})
 	}()
 }
 
-// durable writes back chunks and syncs the file.
+// errFencedDone: a Done of a fenced handle, dropped.
+var errFencedDone = errors.New("done of a fenced handle")
+
+// doneLocked checks d and marks its ranges dirty; with fua it returns their
+// chunks. s.mu is held.
+func (s *session) doneLocked(d *protocol.Done, fua bool) (ov *openVol, fuaChunks []*chunk, err error) {
+	ov = s.handles[d.Handle]
+	if ov == nil {
+		return nil, nil, fmt.Errorf("handle %d: %w", d.Handle, protocol.ErrInvalid)
+	}
+	if !ov.writable {
+		return nil, nil, fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
+	}
+	if ov.fenced.Load() {
+		// Fenced (a reinstatement or a takeover) while this Done was on
+		// its way: its grants are gone and its session is being closed,
+		// with a notice the initiator should get; not a protocol error.
+		// The chunks it held writable are written back whole.
+		return nil, nil, errFencedDone
+	}
+	if err := ov.current(d.Generation); err != nil {
+		return nil, nil, err
+	}
+	v := ov.v
+	cs := uint64(s.t.cache.chunkSize)
+	var bytes uint64
+	for _, r := range d.Ranges {
+		if err := checkRange(v, r.Offset, r.Length); err != nil {
+			return nil, nil, fmt.Errorf("done: %w", err)
+		}
+		bytes += r.Length
+		for idx := r.Offset / cs; idx*cs < r.Offset+r.Length; idx++ {
+			ch := s.grants[chunkKey{v, idx}]
+			if ch == nil {
+				// The initiator wrote where it holds no grant: its data is
+				// not in the cache any more. That is a broken initiator.
+				return nil, nil, fmt.Errorf("done for chunk at %d of %q that this session holds no grant of: %w", idx*cs, v.name, protocol.ErrStale)
+			}
+			from := max(r.Offset, ch.off) - ch.off
+			to := min(r.Offset+r.Length, ch.off+uint64(len(ch.buf))) - ch.off
+			ch.markDirty(from, to)
+			v.markDirty(ch)
+			if fua {
+				fuaChunks = append(fuaChunks, ch)
+			}
+		}
+	}
+	s.t.m.doneBytes.Add(float64(bytes))
+	return ov, fuaChunks, nil
+}
+
+// durable writes back chunks (in one pass, see writeChunks) and syncs the
+// file.
 func (s *session) durable(v *volume, chunks []*chunk) error {
 	var errs []error
-	for _, ch := range chunks {
-		if err := s.t.cache.writeback(ch); err != nil {
-			errs = append(errs, err)
-		}
+	if err := s.t.cache.writeChunks(v, chunks, nil); err != nil {
+		errs = append(errs, err)
 	}
 	if err := v.f.Sync(); err != nil {
 		errs = append(errs, fmt.Errorf("fdatasync %q: %w", v.name, err))
@@ -530,10 +556,10 @@ func (s *session) dropGrants(ov *openVol) {
 		}
 	}
 	var drop []*chunk
-	for ch := range s.chunks {
-		if ch.key.vol == ov.v {
+	for key, ch := range s.grants {
+		if key.vol == ov.v {
 			drop = append(drop, ch)
-			delete(s.chunks, ch)
+			delete(s.grants, key)
 		}
 	}
 	s.mu.Unlock()
@@ -558,10 +584,10 @@ func (s *session) markFenced() {
 // connection cannot reach the memory.
 func (s *session) dropFencedGrants() {
 	s.mu.Lock()
-	chunks := s.chunks
-	s.chunks = make(map[*chunk]struct{})
+	grants := s.grants
+	s.grants = make(map[chunkKey]*chunk)
 	s.mu.Unlock()
-	for ch := range chunks {
+	for _, ch := range grants {
 		s.t.cache.dropHolderLost(ch, s)
 	}
 }
@@ -572,8 +598,8 @@ func (s *session) end() {
 	s.cancel()
 	s.wg.Wait()
 	s.mu.Lock()
-	chunks := s.chunks
-	s.chunks = nil
+	grants := s.grants
+	s.grants = nil
 	handles := s.handles
 	s.handles = map[uint32]*openVol{}
 	opened := s.opened
@@ -585,7 +611,7 @@ func (s *session) end() {
 	for _, ov := range handles {
 		lost = lost || ov.writable
 	}
-	for ch := range chunks {
+	for _, ch := range grants {
 		if lost {
 			s.t.cache.dropHolderLost(ch, s)
 		} else {

@@ -34,7 +34,10 @@ type write struct {
 	data []byte
 }
 
-var _ target.Store = (*DiskStore)(nil)
+var (
+	_ target.Store          = (*DiskStore)(nil)
+	_ target.VectorWriterAt = (*DiskStore)(nil)
+)
 
 // NewDiskStore wraps f, whose current content counts as durable.
 func NewDiskStore(f *os.File) (*DiskStore, error) {
@@ -82,6 +85,34 @@ func (d *DiskStore) WriteAt(p []byte, off int64) (int, error) {
 	d.writes++
 	d.mu.Unlock()
 	return n, err
+}
+
+// WriteVAt is the vectored write (pwritev) of the target's write-back: one
+// write of the disk, as WriteAt of the concatenation of bufs would be (one
+// write delay, one write counted), which reaches the file buffer by buffer.
+func (d *DiskStore) WriteVAt(bufs [][]byte, off int64) (int, error) {
+	d.mu.Lock()
+	delay, fail := d.writeDelay, d.failWrites
+	d.mu.Unlock()
+	time.Sleep(delay)
+	if fail != nil {
+		return 0, fail
+	}
+	var data []byte
+	var err error
+	for _, b := range bufs {
+		var n int
+		n, err = d.f.WriteAt(b, off+int64(len(data)))
+		data = append(data, b[:n]...)
+		if err != nil {
+			break
+		}
+	}
+	d.mu.Lock()
+	d.pending = append(d.pending, write{off, data})
+	d.writes++
+	d.mu.Unlock()
+	return len(data), err
 }
 
 // Sync makes the writes that returned before it durable, after the sync
