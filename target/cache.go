@@ -139,7 +139,7 @@ func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL 
 	if slots < 4 {
 		return nil, fmt.Errorf("cache of %d bytes holds %d chunks of %d bytes: need at least 4", size, slots, chunkSize)
 	}
-	mem, err := transport.AllocMemory(slots*chunkSize, false)
+	mem, err := transport.AllocMemory(slots*chunkSize, true) // huge pages where there are
 	if err != nil {
 		return nil, fmt.Errorf("cache: %w", err)
 	}
