@@ -189,13 +189,29 @@ def floor_summary(floors):
     return out
 
 
-def fabric_for(job, fl):
+def fabric_for(job, floors):
+    """The raw RDMA floor of job: its own measurements (rdmaread in the job's
+    rotation), else any of the same operations; per rep the faster mode, the
+    mean of the job's operations (randrw: READ and WRITE), then the median of
+    the reps."""
     ks = FABRIC.get(job, [])
-    fs = [fl[k] for k in ks if k in fl]
-    if not fs or len(fs) != len(ks):
+    if not ks:
         return None
-    return {"iops": statistics.mean(f["iops"] for f in fs), "lat_mean_us": statistics.mean(f["lat_mean_us"] for f in fs),
-            "what": " + ".join(f"{f['op']} {fmt_bs(f['bs'])} QD{f['qd']}" for f in fs)}
+    fs = [f for f in floors if f.get("job") == job] or [f for f in floors if (f["op"], f["bs"], f["qd"]) in ks]
+    lat, iops = [], []
+    for rep in sorted({f["rep"] for f in fs}):
+        per = []
+        for k in ks:
+            m = [f for f in fs if f["rep"] == rep and (f["op"], f["bs"], f["qd"]) == k]
+            if m:
+                per.append((min(f["lat_mean_us"] for f in m), max(f["iops"] for f in m)))
+        if len(per) == len(ks):
+            lat.append(statistics.mean(p[0] for p in per))
+            iops.append(statistics.mean(p[1] for p in per))
+    if not lat:
+        return None
+    return {"iops": med(iops), "lat_mean_us": med(lat), "reps": len(lat),
+            "what": " + ".join(f"{k[0]} {fmt_bs(k[1])} QD{k[2]}" for k in ks)}
 
 
 def load_guest(out):
@@ -242,7 +258,7 @@ def load_guest(out):
     return {"rows": rows, "names": names, "jobs": jobs, "summary": summ, "floors": floors, "info": info}
 
 
-def table_md(meta, summ, fl, guest, elapsed):
+def table_md(meta, summ, fl, floors, guest, elapsed):
     servers = meta["servers"]
     L = []
     L.append(f"# rblk benchmark ({meta['date']}, commit {meta['commit']})")
@@ -332,12 +348,13 @@ def table_md(meta, summ, fl, guest, elapsed):
     L.append("")
     L.append("- front end: nbdkit's null plugin (`nbdkit-null`), one NBD hop with no data work, the same fio jobs;")
     L.append("- fabric: a raw RDMA READ or WRITE of the same size and depth between two processes over the software "
-             "transport (tcp provider) on loopback (`bench/cmd/rdmaread`; median of the reps, the faster completion mode);")
+             "transport (tcp provider) on loopback (`bench/cmd/rdmaread`), run in each job's rotation beside the servers "
+             "(median of the reps; randrw: the mean of READ and WRITE);")
     L.append("- two-process floor (QD1 jobs): null NBD round trip + raw RDMA round trip: the least an NBD request that becomes "
              "one RDMA operation can take with rblk's two processes.")
     L.append("")
     if fl:
-        L.append("Raw RDMA over the software transport: " + "; ".join(
+        L.append("Raw RDMA over the software transport, all runs: " + "; ".join(
             f"{f['op']} {fmt_bs(f['bs'])} QD{f['qd']}: {fmt_n(f['iops'])} IOPS, {f['lat_mean_us']:.1f} µs"
             for f in fl.values()) + ".")
         L.append("")
@@ -348,7 +365,7 @@ def table_md(meta, summ, fl, guest, elapsed):
     for job, row in summ.items():
         r = row.get(RBLK, {})
         n = row.get(NULL, {})
-        f = fabric_for(job, fl)
+        f = fabric_for(job, floors)
         qd1 = job.endswith("-qd1")
         floor = None
         if qd1 and f and n.get("n"):
@@ -367,7 +384,7 @@ def table_md(meta, summ, fl, guest, elapsed):
     L.append("|---|---|---|")
     yes = lambda ok: "-" if ok is None else ("yes" if ok else "**no**")
     row = summ.get("randread-4k-qd1", {})
-    f = fabric_for("randread-4k-qd1", fl)
+    f = fabric_for("randread-4k-qd1", floors)
     n = row.get(NULL, {})
     if f and n.get("n") and row.get(RBLK, {}).get("n"):
         floor = n["lat_mean_us_med"] + f["lat_mean_us"]
@@ -541,14 +558,16 @@ def main():
     summ = summarize(meta, runs)
     fl = floor_summary(floors)
     guest = load_guest(out)
-    res = {"meta": meta, "runs": runs, "floors": {"rdma_raw": floors, "rdma_raw_summary": list(fl.values())},
+    res = {"meta": meta, "runs": runs,
+           "floors": {"rdma_raw": floors, "rdma_raw_summary": list(fl.values()),
+                      "rdma_raw_per_job": {j: fabric_for(j, floors) for j in summ}},
            "summary": summ}
     if guest:
         res["guest"] = {"runs": guest["rows"], "summary": guest["summary"], "floors": guest["floors"]}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(table_md(meta, summ, fl, guest, meta.get("elapsed_s")))
+        f.write(table_md(meta, summ, fl, floors, guest, meta.get("elapsed_s")))
     plot_files(out, meta, summ, guest)
     failed = [r for r in runs if r.get("failed")]
     if failed:

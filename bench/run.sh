@@ -11,14 +11,15 @@
 #   qemu-nbd      qemu-nbd -f raw --cache=writeback
 #   nbdkit-null   nbdkit's null plugin: one NBD hop and no data work, the
 #                 front end's floor (the "null NBD round trip")
-# and the floor of the fabric: a raw RDMA READ/WRITE between two processes
-# over the same software transport on loopback (bench/cmd/rdmaread).
+# and the floor of the fabric: a raw RDMA READ/WRITE of the job's size and
+# depth between two processes over the same software transport on loopback
+# (bench/cmd/rdmaread), in the rotation of each job like one more server.
 #
 # Jobs: 4k randread/randwrite QD1 and QD32, 4k randrw QD32, 4k randread
 # QD16 x 2 connections (numjobs=2: each fio job its own NBD connection,
 # group_reporting), 1M read/write QD8. Every job runs RBLK_BENCH_REPS times
-# on every server, interleaved: for each rep, for each job, every server in
-# turn (the order of the servers rotates from rep to rep).
+# on every server, interleaved: for each rep, for each job, every server
+# (and the raw RDMA floor) in turn; the order rotates from rep to rep.
 #
 # CPU time per IO: utime+stime of each server process (/proc/PID/stat
 # covers all its threads), read just before and just after each fio run,
@@ -41,7 +42,7 @@
 # Settings: RBLK_BENCH_RUNTIME (s, default 5), RBLK_BENCH_RAMP (s, default
 # 1), RBLK_BENCH_REPS (default 2), RBLK_BENCH_SIZE (default 1G),
 # RBLK_BENCH_CHUNK (rblkd --chunk-size, default 1M), RBLK_BENCH_FLOOR_TIME
-# (s per floor job, default 3), RBLK_BENCH_SERVERS and RBLK_BENCH_JOBS
+# (s per raw RDMA floor job, default 3), RBLK_BENCH_SERVERS and RBLK_BENCH_JOBS
 # (subsets, space separated), RBLK_BENCH_KEEP=1 (keep the work dir).
 # Needs: go, fio, nbdkit, qemu-utils (qemu-nbd), python3; gnuplot for the
 # plot (apt-get install fio nbdkit qemu-utils gnuplot-nox).
@@ -301,19 +302,38 @@ print(f"  rep {rep} {job:20s} {s:12s} {iops:10.0f} IOPS {lat:9.1f} us")
 PY
 }
 
-# floors REP: the raw RDMA round trip over the software transport.
-FLOOR_JOBS=read:4K:1,read:4K:32,write:4K:1,write:4K:32,read:1M:8,write:1M:8
-floors() {
-	local rep=$1
-	log "rep $rep: floor: raw RDMA READ/WRITE over the tcp provider, two processes ($FLOOR_JOBS, ${FLOOR_TIME}s each)"
-	if ! "$WORK/rdmaread" run -target "$RDMAREAD_ADDR" -transport tcp -time "${FLOOR_TIME}s" -jobs "$FLOOR_JOBS" \
+# The fabric's floor of each job: the raw one-sided operations of the same
+# size and depth over the software transport between two processes
+# (bench/cmd/rdmaread), OP:BLOCKSIZE:DEPTH. It runs as one more "server" in
+# each job's rotation ("raw-rdma"), so that it is measured beside the job's
+# runs on the same machine state.
+floor_jobs() {
+	case $1 in
+	randread-4k-qd1) echo read:4K:1 ;;
+	randwrite-4k-qd1) echo write:4K:1 ;;
+	randread-4k-qd32 | randread-4k-qd16x2) echo read:4K:32 ;;
+	randwrite-4k-qd32) echo write:4K:32 ;;
+	randrw-4k-qd32) echo read:4K:32,write:4K:32 ;;
+	read-1m-qd8) echo read:1M:8 ;;
+	write-1m-qd8) echo write:1M:8 ;;
+	esac
+}
+
+# floor_one JOB REP ORDER: rdmaread's floor of JOB, to floors.jsonl.
+floor_one() {
+	local job=$1 rep=$2 order=$3 fj
+	fj=$(floor_jobs "$job")
+	[ -n "$fj" ] || return 0
+	if ! "$WORK/rdmaread" run -target "$RDMAREAD_ADDR" -transport tcp -time "${FLOOR_TIME}s" -jobs "$fj" \
 		>"$WORK/floor.json" 2>"$OUT/logs/rdmaread-run.log"; then
-		log "FAIL: rdmaread run: $(tail -n 3 "$OUT/logs/rdmaread-run.log")"
+		log "FAIL: rdmaread run -jobs $fj: $(tail -n 3 "$OUT/logs/rdmaread-run.log")"
 		FAILED=$((FAILED + 1))
-		return 0
+		return 1
 	fi
-	jq -c --argjson rep "$rep" '. + {rep: $rep}' "$WORK/floor.json" >>"$OUT/floors.jsonl"
-	jq -r '"  floor: \(.op) \(.bs) QD\(.qd) (\(.mode)): \(.iops | floor) IOPS, \(.lat_mean_us * 10 | round / 10) us mean"' "$WORK/floor.json" >&2
+	jq -c --argjson rep "$rep" --argjson order "$order" --arg job "$job" '. + {rep: $rep, order: $order, job: $job}' \
+		"$WORK/floor.json" >>"$OUT/floors.jsonl"
+	jq -r --arg job "$job" --arg rep "$rep" '"  rep \($rep) \($job | . + " " * (20 - length)) raw-rdma     \(.op) \(.bs) QD\(.qd) (\(.mode)): \(.iops | floor) IOPS \(.lat_mean_us * 10 | round / 10) us"' \
+		"$WORK/floor.json" >&2
 }
 
 # ---------------------------------------------------------------------------
@@ -349,18 +369,22 @@ done
 
 : >"$OUT/runs.jsonl"
 : >"$OUT/floors.jsonl"
-nsrv=${#SERVERS[@]}
+ROTATION=("${SERVERS[@]}" raw-rdma)
+nrot=${#ROTATION[@]}
 order=0
 for rep in $(seq 1 "$REPS"); do
-	log "rep $rep/$REPS: ${#JOBS[@]} jobs x $nsrv servers, ${RAMP}s + ${RUNTIME}s each"
+	log "rep $rep/$REPS: ${#JOBS[@]} jobs x ${#SERVERS[@]} servers (${RAMP}s + ${RUNTIME}s each) and the raw RDMA floor (${FLOOR_TIME}s)"
 	for j in "${JOBS[@]}"; do
-		for i in $(seq 0 $((nsrv - 1))); do
-			s=${SERVERS[$(((i + rep - 1) % nsrv))]}
+		for i in $(seq 0 $((nrot - 1))); do
+			s=${ROTATION[$(((i + rep - 1) % nrot))]}
 			order=$((order + 1))
-			fio_one "$s" "${j%%|*}" "${j#*|}" "$rep" "$order" || true
+			if [ "$s" = raw-rdma ]; then
+				floor_one "${j%%|*}" "$rep" "$order" || true
+			else
+				fio_one "$s" "${j%%|*}" "${j#*|}" "$rep" "$order" || true
+			fi
 		done
 	done
-	floors "$rep"
 done
 T_RUN=$((SECONDS - T_START))
 
