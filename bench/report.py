@@ -489,6 +489,10 @@ def plot_files(out, meta, summ, guest):
             g.append("set arrow 1 from graph 0, first 1 to graph 1, first 1 nohead dt 2 lw 2 lc rgb 'black' front")
         else:
             g.append("unset arrow 1")
+        if not any(v is not None and v[0] is not None for vals in rows.values() for v in vals.values()):
+            # (nothing to draw, say so rather than fail)
+            return g + ["set label 1 'no data' at graph 0.5, graph 0.5 center", "unset logscale y", "set yrange [0:1]",
+                        "plot 2 notitle", "unset label 1"]
         plots = []
         for i, s in enumerate(series):
             c = 2 + 3 * i

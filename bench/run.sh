@@ -87,18 +87,26 @@ running() {
 	st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) || return 1
 	[ -n "$st" ] && [ "$st" != Z ]
 }
-cleanup() {
-	local rc=$? p i alive
-	trap - EXIT INT TERM
-	set +e
-	for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-	for i in $(seq 100); do
+# stop SECS PID...: SIGTERM, then SIGKILL to those still there after SECS.
+stop() {
+	local secs=$1 p i alive
+	shift
+	for p; do kill -TERM "$p" 2>/dev/null; done
+	for i in $(seq $((secs * 10))); do
 		alive=0
-		for p in "${PIDS[@]}"; do running "$p" && alive=1; done
-		[ "$alive" = 1 ] || break
+		for p; do running "$p" && alive=1; done
+		[ "$alive" = 1 ] || return 0
 		sleep 0.1
 	done
-	for p in "${PIDS[@]}"; do running "$p" && kill -KILL "$p" 2>/dev/null; done
+	for p; do running "$p" && log "pid $p did not stop on SIGTERM in ${secs}s: SIGKILL" && kill -KILL "$p" 2>/dev/null; done
+}
+ATTACH_PIDS=() # stopped first: an initiator detaches (flushes) while its target is still there
+cleanup() {
+	local rc=$?
+	trap - EXIT INT TERM
+	set +e
+	[ ${#ATTACH_PIDS[@]} = 0 ] || stop 30 "${ATTACH_PIDS[@]}"
+	[ ${#PIDS[@]} = 0 ] || stop 30 "${PIDS[@]}"
 	wait 2>/dev/null
 	if [ "${RBLK_BENCH_KEEP:-0}" = 1 ]; then echo "bench: work dir kept: $WORK"; else rm -rf "$WORK"; fi
 	exit "$rc"
@@ -182,7 +190,7 @@ start_rblk() {
 	"$bin/rblk-attach" attach --target "127.0.0.1:$port" --export vol --transport tcp --host-id bench \
 		--nbd-listen "unix:$WORK/$name.sock" >"$OUT/logs/$name-attach.log" 2>&1 &
 	apid=$!
-	PIDS+=("$apid")
+	ATTACH_PIDS+=("$apid")
 	wait_sock "$WORK/$name.sock" "$tpid" "$apid" || die "$name: no NBD socket: $(tail -n 3 "$OUT/logs/$name-attach.log")"
 	PROCS[$name]="rblkd=$tpid rblk-attach=$apid"
 }

@@ -86,7 +86,7 @@ run_kernel() {
 		fi
 		;;
 	esac
-	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-900} \
+	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-1200} \
 		vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
 	scen=$(awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $3, $1 }' "$out/scenarios.txt" 2>/dev/null || true)
