@@ -14,7 +14,7 @@ STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/s
 # rdma says how to get it and auto uses tcp.
 TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/rdma/rdma_cma.h && echo rdma)
 
-.PHONY: all help build test unit e2e fuzz bench lint quickstart install uninstall clean
+.PHONY: all help build test unit e2e fuzz bench gobench lint quickstart install uninstall clean
 
 all: build
 
@@ -24,7 +24,9 @@ help:
 	@echo "make unit        go test -race ./... (but e2e)"
 	@echo "make e2e         the end-to-end tests of e2e/ (no skipping: RBLK_E2E_REQUIRE=1)"
 	@echo "make fuzz        every fuzz target of protocol/ for FUZZTIME=$(FUZZTIME) each"
-	@echo "make bench       go benchmarks, then bench/fio-compare.sh"
+	@echo "make bench       bench/bench.sh: rblk beside nbdkit and qemu-nbd (bare), then beside NVMe-oF RDMA (guest);"
+	@echo "                 table.md, results.json and plots in bench/out/DATE (RBLK_BENCH_SKIP_VM=1: bare only)"
+	@echo "make gobench     the go benchmarks (go test -bench)"
 	@echo "make lint        gofmt, go vet, staticcheck"
 	@echo "make quickstart  scripts/quickstart.sh (root)"
 	@echo "make install     binaries to $(BINDIR), systemd units to $(UNITDIR), example env files to $(CONFDIR)"
@@ -51,8 +53,10 @@ fuzz:
 	done
 
 bench:
+	bash bench/bench.sh
+
+gobench:
 	$(GO) test -run='^$$' -bench=. ./...
-	@if [ -x bench/fio-compare.sh ] || [ -f bench/fio-compare.sh ]; then bash bench/fio-compare.sh; fi
 
 lint:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi

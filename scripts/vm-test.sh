@@ -22,6 +22,14 @@
 #   scripts/vm-test.sh                     # both kernels
 #   RBLK_VM_KERNELS=6.12 scripts/vm-test.sh
 #   RBLK_TRANSPORT=tcp scripts/vm-test.sh  # without verbs
+#   RBLK_VM_KERNELS=6.12 RBLK_VM_SCENARIOS=bench scripts/vm-test.sh
+#                                          # only the fio table (fio-table.txt)
+#   RBLK_VM_BASELINE_BIN=DIR ...           # the table gets a column
+#                                          # "rblk-before": DIR/rblkd and
+#                                          # DIR/rblk-attach (an older build)
+# Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
+# RBLK_VM_BASELINE_BIN, and the table's FIO_REPS, FIO_RUNTIME, FIO_RAMP,
+# BENCH_MB, BENCH_QUEUES (vm/rblk-e2e.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
@@ -52,8 +60,12 @@ echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 go test -c -tags rdma -o "$art/target.test" ./target/
+if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
+	# (the guest sees the host's root: an absolute host path works there)
+	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
+fi
 : >"$art/env.sh"
-for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS; do
+for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES; do
 	if [ -n "${!v:-}" ]; then
 		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.sh"
 	fi
@@ -74,7 +86,7 @@ run_kernel() {
 		fi
 		;;
 	esac
-	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-900} \
+	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-1200} \
 		vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
 	scen=$(awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $3, $1 }' "$out/scenarios.txt" 2>/dev/null || true)

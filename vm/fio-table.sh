@@ -1,107 +1,222 @@
 # vm/fio-table.sh: sourceable fio helpers for guest scripts (bash; needs fio, jq).
 # Inside the guest: . "$RBLK_VM_LIB/fio-table.sh"
 #
-#   fio_run NAME DEVICE JOB CSV      run the named job on DEVICE, append
-#                                    "NAME,DEVICE,JOB,iops,bw_MBps,lat_mean_us"
-#                                    to CSV (header written if CSV is new)
-#   fio_all NAME DEVICE CSV          run every job of $FIO_JOBS in order
-#   fio_table CSV [NAME_A [NAME_B]]  side-by-side table from CSV:
-#                                    job | NAME_A | NAME_B | B/A (IOPS)
-#                                    (defaults "nvme-of rdma" and "rblk")
+#   fio_run NAME DEVICE JOB CSV [REP]   run the named job on DEVICE, append
+#                                    a line to CSV (header written if CSV is
+#                                    new): name,device,job,rep,iops,bw_MBps,
+#                                    lat_mean_us,lat_p99_us,ios_all,
+#                                    cpu_busy_ticks,cpu_us_per_io
+#   fio_all NAME DEVICE CSV [REP]    run every job of $FIO_JOBS in order
+#   fio_interleaved CSV NAME=DEV...  every job of $FIO_JOBS on every device,
+#                                    $FIO_REPS times, interleaved: for each
+#                                    rep, for each job, each device in turn
+#                                    (the order rotates from rep to rep)
+#   fio_table CSV [NAME_A [NAME_B [NAME_C]]]
+#                                    side-by-side table from CSV, medians of
+#                                    the reps: job | A | B | B/A (IOPS)
+#                                    [| C | B/C] (defaults "nvme-of rdma" and
+#                                    "rblk"; C, e.g. "rblk-before", if given)
+#   fio_json CSV                     the CSV as a JSON array of objects
+#   fio_floors JSON                  the fabric's floor on $RBLK_VM_RDMA_DEV:
+#                                    perftest's ib_read_lat (4 KiB, QD1) and
+#                                    ib_read_bw (4 KiB, QD $FLOOR_QD, default
+#                                    32) between two processes on
+#                                    $RBLK_VM_ADDR over rdma_cm; writes JSON,
+#                                    prints "fabric floor: ..."
 #
-# Jobs (all libaio, direct=1, time based):
-#   randread-4k-qd1  randread-4k-qd32  randwrite-4k-qd32
-#   randrw-4k-qd32-verify (crc32c; fio reads back what it wrote and fails on
-#   a mismatch, so this job is a data check as well as a figure)
-#   read-1m-qd8  write-1m-qd8
-# Settings: FIO_RUNTIME (seconds per job, default 7), FIO_RAMP (default 1),
-# FIO_OUTDIR (fio's JSON and text output kept here; default /tmp/fio-out).
-# With the defaults, the six jobs take ~65 s per device under emulation, so
-# two devices fit in ~2-3 minutes of guest time.
+# Jobs (all libaio, direct=1, time based; the same names as the bare
+# harness, bench/run.sh):
+#   randread-4k-qd1  randwrite-4k-qd1  randread-4k-qd32  randwrite-4k-qd32
+#   randrw-4k-qd32  randread-4k-qd16x2 (numjobs=2 x iodepth=16,
+#   group_reporting)  read-1m-qd8  write-1m-qd8
+# and, not in the default list, randrw-4k-qd32-verify (crc32c; fio reads
+# back what it wrote and fails on a mismatch: a data check).
+#
+# A run is two job groups: "warm" (FIO_RAMP s, instead of fio's ramp_time,
+# whose IOs fio does not count) then "measure" (FIO_RUNTIME s). IOPS,
+# bandwidth and latency (mean and p99, submit to completion) are those of
+# "measure". CPU per IO: the busy time of all CPUs from /proc/stat
+# (user+nice+system+irq+softirq) over the whole fio run, divided by the IOs
+# of both groups: the same measure for every device, and one that counts
+# the kernel's work (nvmet, nbd, rxe) which no process's accounting shows.
+# Settings: FIO_RUNTIME (seconds, default 7), FIO_RAMP (default 1), FIO_REPS
+# (default 2), FIO_OUTDIR (fio's JSON and text output; default /tmp/fio-out).
 # Figures under software emulation only mean something as ratios within one run.
 
-FIO_JOBS="randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 randrw-4k-qd32-verify read-1m-qd8 write-1m-qd8"
+FIO_JOBS=${FIO_JOBS:-"randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 randrw-4k-qd32 randread-4k-qd16x2 read-1m-qd8 write-1m-qd8"}
+FIO_CSV_HEADER="name,device,job,rep,iops,bw_MBps,lat_mean_us,lat_p99_us,ios_all,cpu_busy_ticks,cpu_us_per_io"
 
 # fio_job_args JOB: the fio options of a named job.
 fio_job_args() {
 	case $1 in
 	randread-4k-qd1) echo "--rw=randread --bs=4k --iodepth=1" ;;
+	randwrite-4k-qd1) echo "--rw=randwrite --bs=4k --iodepth=1" ;;
 	randread-4k-qd32) echo "--rw=randread --bs=4k --iodepth=32" ;;
 	randwrite-4k-qd32) echo "--rw=randwrite --bs=4k --iodepth=32" ;;
+	randrw-4k-qd32) echo "--rw=randrw --bs=4k --iodepth=32" ;;
+	randread-4k-qd16x2) echo "--rw=randread --bs=4k --iodepth=16 --numjobs=2" ;;
 	randrw-4k-qd32-verify) echo "--rw=randrw --bs=4k --iodepth=32 --verify=crc32c --verify_fatal=1 --verify_state_save=0" ;;
 	read-1m-qd8) echo "--rw=read --bs=1M --iodepth=8" ;;
 	write-1m-qd8) echo "--rw=write --bs=1M --iodepth=8" ;;
-	*) echo "fio_job_args: unknown job '$1' (known: $FIO_JOBS)" >&2; return 1 ;;
+	*) echo "fio_job_args: unknown job '$1' (known: $FIO_JOBS randrw-4k-qd32-verify)" >&2; return 1 ;;
 	esac
 }
 
+# _cpu_busy: busy clock ticks of all CPUs since boot (/proc/stat).
+_cpu_busy() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
+
 fio_run() {
-	local name=${1:?usage: fio_run NAME DEVICE JOB CSV} dev=${2:?} job=${3:?} csv=${4:?}
-	local args out rc line
+	local name=${1:?usage: fio_run NAME DEVICE JOB CSV [REP]} dev=${2:?} job=${3:?} csv=${4:?} rep=${5:-1}
+	local args out rc line c0 c1 groups=()
 	args=$(fio_job_args "$job") || return 1
 	local outdir=${FIO_OUTDIR:-/tmp/fio-out}
 	mkdir -p "$outdir"
-	out=$outdir/$(echo "$name-$(basename "$dev")-$job" | tr -c 'A-Za-z0-9._\n-' _)
+	out=$outdir/$(echo "$name-$(basename "$dev")-$job-rep$rep" | tr -c 'A-Za-z0-9._\n-' _)
+	if [ "${FIO_RAMP:-1}" != 0 ]; then groups+=(--name=warm --time_based --runtime="${FIO_RAMP:-1}"); fi
+	groups+=(--name=measure --stonewall --time_based --runtime="${FIO_RUNTIME:-7}")
+	c0=$(_cpu_busy)
 	# shellcheck disable=SC2086 # args is a list of options
-	fio --name="$job" --filename="$dev" --ioengine=libaio --direct=1 \
-		--time_based --runtime="${FIO_RUNTIME:-7}" --ramp_time="${FIO_RAMP:-1}" \
-		--group_reporting $args \
-		--output-format=json --output="$out.json" >"$out.txt" 2>&1
+	fio --filename="$dev" --ioengine=libaio --direct=1 --group_reporting --lat_percentiles=1 $args \
+		"${groups[@]}" --output-format=json --output="$out.json" >"$out.txt" 2>&1
 	rc=$?
+	c1=$(_cpu_busy)
 	if [ $rc -ne 0 ] || ! jq -e '.jobs[0]' "$out.json" >/dev/null 2>&1; then
 		echo "fio_run: $job on $dev failed (fio exit $rc)" >&2
 		cat "$out.txt" >&2
-		[ -s "$out.json" ] && jq -c '.jobs[0] | {error, read: .read.io_bytes, write: .write.io_bytes}' "$out.json" >&2 2>/dev/null
+		[ -s "$out.json" ] && jq -c '.jobs[] | {jobname, error, read: .read.io_bytes, write: .write.io_bytes}' "$out.json" >&2 2>/dev/null
 		return 1
 	fi
 	# IOPS and bandwidth: read + write; mean latency (submit to completion):
-	# weighted by the number of I/Os of each direction.
-	line=$(jq -r --arg name "$name" --arg dev "$dev" --arg job "$job" '
-		.jobs[0] as $j
+	# weighted by the number of I/Os of each direction; p99: the larger of
+	# both directions'.
+	line=$(jq -r --arg name "$name" --arg dev "$dev" --arg job "$job" --argjson rep "$rep" \
+		--argjson ticks "$((c1 - c0))" --argjson hz "$(getconf CLK_TCK)" '
+		([.jobs[] | .read.total_ios + .write.total_ios] | add) as $all
+		| ([.jobs[] | select(.jobname == "measure")] + [.jobs[-1]])[0] as $j
 		| ($j.read.total_ios + $j.write.total_ios) as $n
-		| [ $name, $dev, $job,
+		| [ $name, $dev, $job, $rep,
 		    (($j.read.iops + $j.write.iops) * 10 | round / 10),
 		    (($j.read.bw_bytes + $j.write.bw_bytes) / 1e5 | round / 10),
 		    (if $n > 0 then (($j.read.lat_ns.mean * $j.read.total_ios
 		                     + $j.write.lat_ns.mean * $j.write.total_ios) / $n / 100 | round / 10)
-		     else 0 end) ]
+		     else 0 end),
+		    ([$j.read, $j.write | select(.total_ios > 0) | .lat_ns.percentile["99.000000"] // 0] | max // 0 | . / 100 | round / 10),
+		    $all, $ticks,
+		    (if $all > 0 then ($ticks * 1e6 / $hz / $all * 10 | round / 10) else 0 end) ]
 		| map(tostring) | join(",")' "$out.json") || return 1
-	[ -s "$csv" ] || echo "name,device,job,iops,bw_MBps,lat_mean_us" >"$csv"
+	[ -s "$csv" ] || echo "$FIO_CSV_HEADER" >"$csv"
 	echo "$line" >>"$csv"
 	echo "fio: $line" >&2
 }
 
 fio_all() {
-	local name=${1:?usage: fio_all NAME DEVICE CSV} dev=${2:?} csv=${3:?} job rc=0
+	local name=${1:?usage: fio_all NAME DEVICE CSV [REP]} dev=${2:?} csv=${3:?} rep=${4:-1} job rc=0
 	for job in $FIO_JOBS; do
-		fio_run "$name" "$dev" "$job" "$csv" || rc=1
+		fio_run "$name" "$dev" "$job" "$csv" "$rep" || rc=1
+	done
+	return $rc
+}
+
+fio_interleaved() {
+	local csv=${1:?usage: fio_interleaved CSV NAME=DEVICE...} rep job i n rc=0 nd
+	shift
+	local devs=("$@")
+	nd=${#devs[@]}
+	for rep in $(seq 1 "${FIO_REPS:-2}"); do
+		for job in $FIO_JOBS; do
+			for i in $(seq 0 $((nd - 1))); do
+				n=${devs[$(((i + rep - 1) % nd))]}
+				fio_run "${n%%=*}" "${n#*=}" "$job" "$csv" "$rep" || rc=1
+			done
+		done
 	done
 	return $rc
 }
 
 fio_table() {
-	local csv=${1:?usage: fio_table CSV [NAME_A [NAME_B]]}
-	local a=${2:-nvme-of rdma} b=${3:-rblk}
-	awk -F, -v A="$a" -v B="$b" '
-	function cell(k) {
-		if (!(k in iops)) return "-"
-		return sprintf("%8.0f IOPS %7.1f MB/s %8.0f us", iops[k], bw[k], lat[k])
+	local csv=${1:?usage: fio_table CSV [NAME_A [NAME_B [NAME_C]]]}
+	local a=${2:-nvme-of rdma} b=${3:-rblk} c=${4:-}
+	awk -F, -v A="$a" -v B="$b" -v C="$c" '
+	# med KEY FIELD: the median of the reps of (name, job) KEY for FIELD
+	function med(k, f,    n, i, j, t, v) {
+		n = cnt[k]
+		for (i = 1; i <= n; i++) v[i] = val[k, f, i]
+		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
 	}
-	NR == 1 && $1 == "name" { next }
+	function cell(k) {
+		if (!(k in cnt)) return "-"
+		return sprintf("%7.0f IOPS %6.1f MB/s %7.0f us %6.0f cpu-us/IO", med(k, "iops"), med(k, "bw"), med(k, "lat"), med(k, "cpu"))
+	}
+	function r(x, y) { return ((x in cnt) && (y in cnt) && med(y, "iops") > 0) ? sprintf("%.2f", med(x, "iops") / med(y, "iops")) : "-" }
+	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
 	{
-		if (!($3 in seen)) { seen[$3] = 1; jobs[++n] = $3 }
-		k = $1 SUBSEP $3
-		iops[k] = $4; bw[k] = $5; lat[k] = $6
+		job = $(col["job"])
+		if (!(job in seen)) { seen[job] = 1; jobs[++n] = job }
+		k = $(col["name"]) SUBSEP job
+		i = ++cnt[k]
+		val[k, "iops", i] = $(col["iops"]); val[k, "bw", i] = $(col["bw_MBps"])
+		val[k, "lat", i] = $(col["lat_mean_us"]); val[k, "cpu", i] = ("cpu_us_per_io" in col) ? $(col["cpu_us_per_io"]) : 0
+		if (i > reps) reps = i
 	}
 	END {
-		w = 36
-		printf "%-22s | %-" w "s | %-" w "s | %s\n", "job", A, B, B "/" A
-		line = sprintf("%-22s-+-%-" w "s-+-%-" w "s-+-%s", "", "", "", "------")
+		w = 52; rw = length(B "/" A); rc = length(B "/" C)
+		printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", "job", A, B, B "/" A
+		if (C != "") printf " | %-" w "s | %s", C, B "/" C
+		printf "\n"
+		line = sprintf("%-20s-+-%-" w "s-+-%-" w "s-+-%-" rw "s", "", "", "", "")
+		if (C != "") line = line sprintf("-+-%-" w "s-+-%-" rc "s", "", "")
 		gsub(/ /, "-", line); print line
 		for (i = 1; i <= n; i++) {
-			j = jobs[i]; ka = A SUBSEP j; kb = B SUBSEP j
-			r = ((ka in iops) && (kb in iops) && iops[ka] > 0) ? sprintf("%.2f", iops[kb] / iops[ka]) : "-"
-			printf "%-22s | %-" w "s | %-" w "s | %s\n", j, cell(ka), cell(kb), r
+			j = jobs[i]; ka = A SUBSEP j; kb = B SUBSEP j; kc = C SUBSEP j
+			printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", j, cell(ka), cell(kb), r(kb, ka)
+			if (C != "") printf " | %-" w "s | %s", cell(kc), r(kb, kc)
+			printf "\n"
 		}
+		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO)\n", reps
 	}' "$csv"
+}
+
+fio_json() {
+	local csv=${1:?usage: fio_json CSV}
+	jq -R -s '
+		split("\n") | map(select(length > 0) | split(",")) | .[0] as $h
+		| .[1:] | map([$h, .] | transpose | map({(.[0]): (.[1] | tonumber? // .)}) | add)' "$csv"
+}
+
+# _perftest NAME ARGS...: server and client of perftest tool NAME on
+# $RBLK_VM_ADDR (rdma_cm); the client's output on stdout.
+_perftest() {
+	local tool=$1 spid out i rc=1
+	shift
+	local addr=${RBLK_VM_ADDR:-192.0.2.1} dev=${RBLK_VM_RDMA_DEV:-rxe0}
+	timeout 60 "$tool" -d "$dev" -R -F "$@" >/tmp/perftest-server.txt 2>&1 &
+	spid=$!
+	for i in 1 2 3 4 5 6 7 8 9 10; do
+		sleep 0.5
+		if out=$(timeout 60 "$tool" -d "$dev" -R -F "$@" "$addr" 2>&1); then rc=0; break; fi
+		kill -0 "$spid" 2>/dev/null || break
+	done
+	wait "$spid" 2>/dev/null
+	echo "$out"
+	return $rc
+}
+
+fio_floors() {
+	local json=${1:?usage: fio_floors JSON} lat bw qd=${FLOOR_QD:-32}
+	lat=$(_perftest ib_read_lat -s 4096 -n "${FLOOR_ITERS:-5000}") || { echo "fio_floors: ib_read_lat failed: $lat" >&2; return 1; }
+	bw=$(_perftest ib_read_bw -s 4096 -t "$qd" -D "${FLOOR_SECONDS:-2}") || { echo "fio_floors: ib_read_bw failed: $bw" >&2; return 1; }
+	echo "$lat" >"${json%.json}-ib_read_lat.txt"
+	echo "$bw" >"${json%.json}-ib_read_bw.txt"
+	# ib_read_lat: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
+	# ib_read_bw:  #bytes #iterations BW-peak BW-average(MB/s) MsgRate(Mpps)
+	awk -v qd="$qd" -v kernel="$(uname -r)" '
+		FNR == NR && $1 == 4096 && NF >= 8 { lat = $6; p99 = $8 }
+		FNR != NR && $1 == 4096 && NF >= 5 { mbps = $4; mpps = $5 }
+		END {
+			if (lat == "" || mpps == "") exit 1
+			printf "{\"tool\":\"perftest ib_read_lat/ib_read_bw, rdma_cm\",\"kernel\":\"%s\",\"bs\":4096,", kernel
+			printf "\"read_lat_us\":%s,\"read_lat_p99_us\":%s,\"read_bw_qd\":%d,\"read_MBps\":%s,\"read_iops\":%.0f}\n", lat, p99, qd, mbps, mpps * 1e6
+		}' <(echo "$lat") <(echo "$bw") >"$json" || { echo "fio_floors: no figures in perftest's output" >&2; return 1; }
+	jq -r '"fabric floor: RDMA READ 4k lat \(.read_lat_us) µs (QD1, p99 \(.read_lat_p99_us) µs), \(.read_iops) IOPS (QD\(.read_bw_qd), \(.read_MBps) MB/s)"' "$json"
 }

@@ -5,11 +5,15 @@
 #   dev=$(nvmet_setup FILE [SIZE])   export FILE (created with SIZE, default
 #                                    $NVMET_SIZE or 256M, if missing) through a
 #                                    loop device, connect to it over RDMA and
-#                                    print the block device (/dev/nvmeXnY)
+#                                    print the block device (/dev/nvmeXnY);
+#                                    FILE may be a block device (/dev/ram0 of
+#                                    brd, say): it is exported as it is
 #   nvmet_teardown                   disconnect and remove target, loop device
 #
 # Settings: NVMET_NQN (default nqn.2024-01.io.rblk:vmtest), NVMET_ADDR
-# (default $RBLK_VM_ADDR or 192.0.2.1), NVMET_PORT (default 4420).
+# (default $RBLK_VM_ADDR or 192.0.2.1), NVMET_PORT (default 4420),
+# NVMET_NR_IO_QUEUES (nvme connect --nr-io-queues; default: nvme-cli's, one
+# per CPU).
 # One export at a time; its state is kept in /run/rblk-nvmet.state so that
 # nvmet_teardown works after nvmet_setup ran in a $(...) subshell.
 # Messages go to stderr; only the device path goes to stdout.
@@ -45,7 +49,7 @@ nvmet_setup() {
 	local file=${1:?usage: nvmet_setup FILE [SIZE]} size=${2:-${NVMET_SIZE:-256M}}
 	local nqn=${NVMET_NQN:-nqn.2024-01.io.rblk:vmtest}
 	local addr=${NVMET_ADDR:-${RBLK_VM_ADDR:-192.0.2.1}} port=${NVMET_PORT:-4420}
-	local loop sub pdir dev="" _i
+	local sub pdir dev="" _i queues=()
 
 	if [ -e "$NVMET_STATE" ]; then
 		_nvmet_log "already set up ($NVMET_STATE); call nvmet_teardown first"
@@ -54,11 +58,17 @@ nvmet_setup() {
 	modprobe -a configfs loop nvmet nvmet-rdma nvme-rdma || return 1
 	mountpoint -q /sys/kernel/config || mount -t configfs configfs /sys/kernel/config || return 1
 
-	if [ ! -e "$file" ]; then
-		fallocate -l "$size" "$file" 2>/dev/null || truncate -s "$size" "$file" || return 1
+	local nsdev loop=
+	if [ -b "$file" ]; then
+		nsdev=$file
+	else
+		if [ ! -e "$file" ]; then
+			fallocate -l "$size" "$file" 2>/dev/null || truncate -s "$size" "$file" || return 1
+		fi
+		# nvmet refuses a regular file on tmpfs as device_path; a loop device works.
+		loop=$(losetup -f --show "$file") || return 1
+		nsdev=$loop
 	fi
-	# nvmet refuses a regular file on tmpfs as device_path; a loop device works.
-	loop=$(losetup -f --show "$file") || return 1
 	echo "nqn=$nqn loop=$loop port=$port file=$file" >"$NVMET_STATE"
 
 	sub=$NVMET_CFG/subsystems/$nqn
@@ -67,7 +77,7 @@ nvmet_setup() {
 		mkdir "$sub" &&
 			echo 1 >"$sub/attr_allow_any_host" &&
 			mkdir "$sub/namespaces/1" &&
-			printf '%s' "$loop" >"$sub/namespaces/1/device_path" &&
+			printf '%s' "$nsdev" >"$sub/namespaces/1/device_path" &&
 			echo 1 >"$sub/namespaces/1/enable" &&
 			mkdir "$pdir" &&
 			echo rdma >"$pdir/addr_trtype" &&
@@ -77,7 +87,8 @@ nvmet_setup() {
 			ln -s "$sub" "$pdir/subsystems/$nqn"
 	} || { _nvmet_log "configfs setup failed"; nvmet_teardown; return 1; }
 
-	nvme connect -t rdma -a "$addr" -s "$port" -n "$nqn" >&2 ||
+	[ -z "${NVMET_NR_IO_QUEUES:-}" ] || queues=(--nr-io-queues="$NVMET_NR_IO_QUEUES")
+	nvme connect -t rdma -a "$addr" -s "$port" -n "$nqn" "${queues[@]}" >&2 ||
 		{ _nvmet_log "nvme connect failed"; nvmet_teardown; return 1; }
 	for _i in $(seq 100); do
 		dev=$(_nvmet_find_dev "$nqn") && break
@@ -88,7 +99,7 @@ nvmet_setup() {
 		nvmet_teardown
 		return 1
 	fi
-	_nvmet_log "$file -> $loop -> rdma $addr:$port $nqn -> $dev"
+	_nvmet_log "$file${loop:+ -> $loop} -> rdma $addr:$port $nqn${queues[*]:+ (${queues[*]})} -> $dev"
 	echo "$dev"
 }
 

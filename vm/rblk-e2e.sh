@@ -102,13 +102,16 @@ pids=() SCEN='' LOGS=$WORK/logs
 # serve LOG PORT SIZE_MB RBLKD_ARGS...: rblkd serves $WORK/$SCEN.img (the
 # export "vol") on IP:PORT; sets RBLKD, TGT, VOL, TM (its metrics) and AM
 # (the metrics address for rblk-attach). Again with the same PORT: the same
-# volume, same address.
+# volume, same address. SERVE_VOL=PATH serves PATH instead (a block device:
+# SIZE_MB is then its size); RBLKD_BIN runs another rblkd (a baseline).
 serve() {
-	local log=$1 port=$2 size=$3
+	local log=$1 port=$2 size=$3 export
 	shift 3
 	TGT=$IP:$port TM=127.0.0.1:$((port + 2000)) AM=127.0.0.1:$((port + 2100))
-	VOL=$WORK/$SCEN.img
-	"$BIN/rblkd" serve --transport "$TRANSPORT" --listen "$TGT" --export "vol=$VOL,size=${size}M" \
+	VOL=${SERVE_VOL:-$WORK/$SCEN.img}
+	export="vol=$VOL,size=${size}M"
+	[ ! -b "$VOL" ] || export="vol=$VOL"
+	"${RBLKD_BIN:-$BIN/rblkd}" serve --transport "$TRANSPORT" --listen "$TGT" --export "$export" \
 		--auth-file "$AUTH_DIR/auth" --target-id vm-target --metrics-listen "$TM" "$@" >"$LOGS/$log" 2>&1 &
 	RBLKD=$!
 	pids+=("$RBLKD")
@@ -144,12 +147,12 @@ free_nbd() {
 
 # attach LOG SIZE_MB ARGS...: rblk-attach --device (first free /dev/nbdN) in
 # the background, as host HOST_ID with its SECRET; sets APID and DEV once
-# the device has the volume's size.
+# the device has the volume's size. ATTACH_BIN runs another rblk-attach.
 attach() {
 	local log=$1 size=$(($2 << 20)) deadline rc
 	shift 2
 	DEV=$(free_nbd) || fail "no free /dev/nbdN"
-	"$BIN/rblk-attach" attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+	"${ATTACH_BIN:-$BIN/rblk-attach}" attach --target "$TGT" --export vol --transport "$TRANSPORT" \
 		--host-id "$HOST_ID" --secret-file "$SECRET" --device "$DEV" --metrics-listen "$AM" "$@" >"$LOGS/$log" 2>&1 &
 	APID=$!
 	pids+=("$APID")
@@ -270,6 +273,7 @@ scenario_cleanup() {
 	for p in "${pids[@]}"; do running "$p" && kill -TERM "$p" 2>/dev/null; done
 	wait_for 10 no_children "${pids[@]}"
 	for p in "${pids[@]}"; do running "$p" && kill -KILL "$p" 2>/dev/null; done
+	[ ! -e /sys/module/brd ] || rmmod brd 2>/dev/null
 	rm -f "$WORK/$SCEN.img"
 	exit "$rc"
 }
@@ -376,18 +380,6 @@ scen_basic() {
 	fio_verify randrw-4k --rw=randrw --bs=4k --iodepth=32 --size=16M
 	fio_verify write-1m --rw=write --bs=1M --iodepth=8 --size=64M
 
-	step "the same fio jobs on the kernel's NVMe-oF RDMA and on rblk"
-	local csv=$WORK/fio.csv nvme
-	rm -f "$csv"
-	truncate -s "${size}M" "$WORK/nvme.img"
-	nvme=$(nvmet_setup "$WORK/nvme.img") || fail "nvmet setup"
-	echo "nvme-of rdma device: $nvme"
-	fio_all "nvme-of rdma" "$nvme" "$csv" || fail "fio on $nvme"
-	nvmet_teardown
-	rm -f "$WORK/nvme.img"
-	fio_all rblk "$DEV" "$csv" || fail "fio on $DEV"
-	fio_table "$csv" "nvme-of rdma" rblk | tee "$BIN/fio-table.txt"
-
 	step "target metrics"
 	curl -fsS "$TM/metrics" | grep -E '^rblkd_(grants|revokes|cache_loads|cache_evictions|written_bytes|writeback_bytes)_total' || true
 	curl -fsS "$AM/metrics" | grep -E '^rblk_attach_rdma_(ops|bytes)_total' || true
@@ -395,6 +387,113 @@ scen_basic() {
 	step "detach, stop rblkd"
 	detach
 	stop_rblkd
+}
+
+# The fio table: rblk over verbs beside the kernel's NVMe-oF RDMA, with a
+# fair backend and the same number of queues. Both export the same kind of
+# memory-backed block device, a brd RAM disk of BENCH_MB MiB (/dev/ram0 for
+# nvmet's namespace, /dev/ram1 for rblkd's --export), filled with the same
+# random bytes (reads hit data, not the zero pages of unwritten sectors);
+# rblkd's cache holds the volume. nvme connect --nr-io-queues and
+# rblk-attach --connections get the same BENCH_QUEUES. The fabric's floor
+# first (perftest's ib_read_lat and ib_read_bw over rdma_cm on $RXE). Every
+# job FIO_REPS times, interleaved (vm/fio-table.sh). With
+# RBLK_VM_BASELINE_BIN=DIR (a host path: the guest sees the host's root),
+# DIR/rblkd and DIR/rblk-attach on /dev/ram2 as the column "rblk-before".
+# Writes fio-table.txt (floor, queues, table), fio-table.csv/.json,
+# fio-floors.json, fio-info.txt into the share.
+BENCH_MB=${BENCH_MB:-128}
+BENCH_QUEUES=${BENCH_QUEUES:-2}
+BENCH_PORT=7485 BENCH_BEFORE_PORT=7486
+
+# hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
+# head (no queues of its own), its controller's I/O queues (queue_count
+# less the admin queue).
+hw_queues() {
+	local d=${1#/dev/} n c
+	n=$(find "/sys/block/$d/mq" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l)
+	if [ "$n" = 0 ]; then
+		for c in /sys/class/nvme/nvme*; do
+			[ "$(cat "$c/subsysnqn" 2>/dev/null)" = "${NVMET_NQN:-nqn.2024-01.io.rblk:vmtest}" ] && [ -r "$c/queue_count" ] || continue
+			n=$(($(cat "$c/queue_count") - 1))
+			break
+		done
+	fi
+	echo "$n"
+}
+
+scen_bench() {
+	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
+	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd=''
+	if [ -n "$before" ]; then
+		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
+		nram=3
+	fi
+	step "brd: $nram RAM disks of $size MiB with the same random bytes"
+	if [ -e /sys/module/brd ]; then rmmod brd || fail "brd is loaded and busy"; fi
+	modprobe brd rd_nr="$nram" rd_size=$((size << 10)) || fail "modprobe brd"
+	dd if=/dev/urandom of=/dev/ram0 bs=1M count="$size" oflag=direct status=none || fail "fill /dev/ram0"
+	for i in $(seq 1 $((nram - 1))); do
+		dd if=/dev/ram0 of="/dev/ram$i" bs=1M iflag=direct oflag=direct status=none || fail "fill /dev/ram$i"
+	done
+
+	step "the fabric's floor: perftest ib_read_lat and ib_read_bw, 4 KiB, on $RXE"
+	fio_floors "$BIN/fio-floors.json" >"$LOGS/floors.txt" 2>&1 || fail "perftest: $(tail -n 5 "$LOGS/floors.txt")"
+	cp "$LOGS/floors.txt" "$BIN/fio-floors.txt"
+	cat "$BIN/fio-floors.txt"
+
+	step "NVMe-oF RDMA: nvmet on /dev/ram0, nvme connect --nr-io-queues $BENCH_QUEUES"
+	nvme=$(NVMET_NR_IO_QUEUES=$BENCH_QUEUES nvmet_setup /dev/ram0) || fail "nvmet setup"
+	step "rblk: rblkd --export vol=/dev/ram1 --transport $TRANSPORT, rblk-attach --connections $BENCH_QUEUES"
+	SERVE_VOL=/dev/ram1 serve rblkd.log "$BENCH_PORT" "$size" --cache-size $((size + 32))M
+	attach attach.log "$size" --connections "$BENCH_QUEUES"
+	rblk_dev=$DEV rblk_apid=$APID rblk_rblkd=$RBLKD
+	if [ -n "$before" ]; then
+		step "rblk-before: $before/rblkd on /dev/ram2, $before/rblk-attach --connections $BENCH_QUEUES"
+		RBLKD_BIN=$before/rblkd SERVE_VOL=/dev/ram2 serve rblkd-before.log "$BENCH_BEFORE_PORT" "$size" --cache-size $((size + 32))M
+		ATTACH_BIN=$before/rblk-attach attach attach-before.log "$size" --connections "$BENCH_QUEUES"
+		bdev=$DEV b_apid=$APID b_rblkd=$RBLKD
+	fi
+	{
+		echo "kernel $(uname -r), $(nproc) CPUs; each device a brd RAM disk of $size MiB; fio $FIO_RAMP s warm + $FIO_RUNTIME s measured, ${FIO_REPS:-2} reps interleaved"
+		echo "nvme-of rdma: $nvme, $(hw_queues "$nvme") hardware queues (nvme connect --nr-io-queues $BENCH_QUEUES)"
+		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
+		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
+	} | tee "$BIN/fio-info.txt"
+
+	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
+	# no cache to warm)
+	step "warm-up (not measured): one sequential read of each rblk device"
+	for d in "$rblk_dev" ${bdev:+"$bdev"}; do
+		dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d"
+	done
+
+	step "fio: $FIO_JOBS; ${FIO_REPS:-2} reps, interleaved"
+	rm -f "$csv"
+	local devs=("nvme-of rdma=$nvme" "rblk=$rblk_dev")
+	[ -z "$bdev" ] || devs+=("rblk-before=$bdev")
+	fio_interleaved "$csv" "${devs[@]}" || rc=1
+	if [ -s "$csv" ]; then
+		cp "$csv" "$BIN/fio-table.csv"
+		fio_json "$csv" >"$BIN/fio-table.json"
+		{
+			grep '^fabric floor' "$BIN/fio-floors.txt"
+			cat "$BIN/fio-info.txt"
+			fio_table "$csv" "nvme-of rdma" rblk ${bdev:+rblk-before}
+		} | tee "$BIN/fio-table.txt"
+	fi
+	[ "$rc" = 0 ] || fail "a fio job failed"
+
+	step "teardown"
+	nvmet_teardown
+	curl -fsS "$TM/metrics" | grep -E '^rblkd_(grants|revokes|cache_loads|cache_evictions|written_bytes|writeback_bytes)_total' || true
+	if [ -n "$bdev" ]; then
+		DEV=$bdev APID=$b_apid detach
+		RBLKD=$b_rblkd stop_rblkd
+	fi
+	DEV=$rblk_dev APID=$rblk_apid detach
+	RBLKD=$rblk_rblkd stop_rblkd
+	rmmod brd || fail "rmmod brd"
 }
 
 scen_small_cache() {
@@ -676,6 +775,7 @@ dmesg >"$WORK/logs/boot/kernel.log"
 if [ -x "$BIN/rdma.test" ]; then scenario verbs scen_verbs; fi
 scenario security scen_security
 scenario basic scen_basic
+scenario bench scen_bench
 scenario small-cache scen_small_cache
 scenario chunk-64k scen_chunk_64k
 scenario kill-9 scen_kill_9
