@@ -69,6 +69,13 @@ func Run(t *testing.T, newPair func(t *testing.T) (a, b transport.Conn)) {
 			tc.fn(e)
 		})
 	}
+	for _, tc := range signalTests {
+		t.Run(tc.name, func(t *testing.T) {
+			CheckGoroutines(t)
+			e := newEnv(t, newPair)
+			tc.fn(e)
+		})
+	}
 }
 
 // env is one subtest's pair of conns and the memory it allocated.
