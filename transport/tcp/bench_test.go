@@ -3,7 +3,9 @@ package tcp_test
 import (
 	"context"
 	"path/filepath"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/tcp"
@@ -25,6 +27,21 @@ func benchPair(b *testing.B, size int) (a, p transport.Conn, ra, rp transport.Re
 	return a, p, ra, rp
 }
 
+// cpuTime is the CPU time the process used so far, user and system.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// reportCPU reports the CPU time per op since start (both sides of the
+// connection run in this process).
+func reportCPU(b *testing.B, start time.Duration) {
+	b.ReportMetric(float64(cpuTime()-start)/float64(b.N), "cpu-ns/op")
+}
+
 // benchOneSided keeps depth requests of op and size bytes in flight.
 func benchOneSided(b *testing.B, op transport.Opcode, size, depth int) {
 	a, _, ra, rp := benchPair(b, size*depth)
@@ -34,6 +51,7 @@ func benchOneSided(b *testing.B, op transport.Opcode, size, depth int) {
 	b.SetBytes(int64(size))
 	b.ReportAllocs()
 	b.ResetTimer()
+	defer reportCPU(b, cpuTime())
 	posted, completed := 0, 0
 	for completed < b.N {
 		for posted < b.N && posted-completed < depth {
@@ -238,6 +256,7 @@ func benchPingPong(b *testing.B, network string, useHandler bool) {
 	done := make(chan struct{})
 	b.ReportAllocs()
 	b.ResetTimer()
+	defer reportCPU(b, cpuTime())
 	if useHandler {
 		hp.HandleCompletions(func(cs []transport.Completion, err error) {
 			if err == nil {
@@ -334,6 +353,7 @@ func benchRead4K(b *testing.B, network string, useHandler bool) {
 	b.SetBytes(size)
 	b.ReportAllocs()
 	b.ResetTimer()
+	defer reportCPU(b, cpuTime())
 	if useHandler {
 		ha := handler(b, a)
 		done := make(chan error, 1)

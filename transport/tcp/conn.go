@@ -37,6 +37,12 @@ const (
 // writeBatch is the most frames the writer hands to one writev.
 const writeBatch = 64
 
+// inlineMax bounds the payload bytes a poster or the reader writes in its
+// non-blocking attempt: larger output is left to the writer goroutine,
+// whose wakeup costs little next to the copy, and which makes it while
+// the reader goes on reading.
+const inlineMax = 64 << 10
+
 // directReadMin is the smallest payload remainder read from the socket
 // straight into its destination; smaller ones go through the read buffer,
 // which lets one read(2) take in many small frames.
@@ -472,7 +478,19 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	}
 	c.sqOutstanding += len(wrs)
 	c.advanceLocked()
-	c.flushLocked()
+	switch {
+	case c.readerInFn:
+		// The reader writes it once the handler returns, in one writev
+		// with whatever else the handler posted and the ACK.
+	case c.sqHead < c.sqTx:
+		// Requests in flight: the connection is busy, and the writer
+		// goroutine batches what is posted while it wakes up and writes
+		// (one write per post would also make the peer acknowledge each).
+		c.kickWriterLocked()
+	default:
+		// Nothing in flight: write it now.
+		c.flushLocked()
+	}
 	return nil
 }
 

@@ -76,19 +76,29 @@
 // frames (header and payload as separate buffers, payloads from the
 // registered memory with no copy), in the order the frames were queued.
 //
-//   - A poster (PostSend), when the token is free and no batch is left
-//     unfinished, takes it and makes one non-blocking writev of what is
-//     queued (syscall.RawConn.Write whose function never asks to wait):
-//     the conn's lock is not held during it, and it never waits for the
-//     socket.
-//   - The reader does the same, never waiting for the socket either, each
-//     time it is about to wait for input: before each read(2) (its
-//     buffer is empty) and before waiting for a receive to be posted
-//     (RNR). That is where it queues the cumulative ACK for what it
-//     executed, and it writes the READ responses, the ACK and a NAK it
-//     queued, with whatever requests are ready.
-//   - What such an attempt does not write (the socket buffer is full, or
-//     the token was busy and more was queued meanwhile) is left to the
+//   - A poster (PostSend) whose requests find none of the conn's in
+//     flight (the queue-depth-1 case), the token free and no batch left
+//     unfinished, takes the token and makes one non-blocking writev of
+//     what is queued (syscall.RawConn.Write whose function never asks to
+//     wait): the conn's lock is not held during it, and it never waits
+//     for the socket. With requests in flight it wakes the writer
+//     goroutine instead, which batches what is posted meanwhile (a write
+//     per post would also make the peer acknowledge each). While the
+//     reader is inside the completion handler, posts only queue: the
+//     reader writes them when the handler returns, in one writev with the
+//     ACK.
+//   - The reader makes the same attempt, never waiting for the socket
+//     either, each time it is about to wait for input: before each
+//     read(2) (its buffer is empty) and before waiting for a receive to
+//     be posted (RNR). That is where it queues the cumulative ACK for
+//     what it executed, and it writes the READ responses, the ACK and a
+//     NAK it queued, with whatever requests are ready.
+//   - An attempt takes at most 64 KiB of payload (past the first frame),
+//     and none if the first frame alone is larger: copying that would
+//     hold up the caller, and the writer goroutine does it while the
+//     reader goes on reading.
+//   - What an attempt does not write (the socket buffer is full, the
+//     budget, or output queued while the token was busy) is left to the
 //     writer goroutine, woken for it, which finishes an unfinished batch
 //     first and then writes, blocking, until nothing is queued. It is the
 //     only goroutine that waits for the socket to take data. A stream
@@ -136,7 +146,9 @@
 //     fn's own waits (none are allowed but Invalidate, which waits for
 //     the windows in use) depend on no progress of the reader, except
 //     for a WRITE the reader is placing through the window being
-//     invalidated: that Invalidate waits for its ctx, then closes.
+//     invalidated: that Invalidate waits for its ctx, then closes. What
+//     is posted meanwhile (by fn or anyone) waits for fn to return; no
+//     goroutine of the conn waits for it.
 //
 // Close (from anywhere, fn included) breaks the connection and waits until
 // no goroutine of the conn touches the memory of requests: the reader and

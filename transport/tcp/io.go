@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"time"
 	"unsafe"
@@ -403,7 +404,7 @@ func (c *conn) writeLoop() {
 		if c.wleft {
 			c.wleft = false
 		} else {
-			c.collectLocked()
+			c.collectLocked(math.MaxInt)
 		}
 		c.mu.Unlock()
 		_, err := c.wnb.WriteTo(c.nc)
@@ -429,16 +430,20 @@ func (c *conn) flushLocked() {
 		return // the holder of the stream looks for more output when done
 	}
 	if c.wleft || c.rc == nil {
-		if c.wleft || c.hasOutputLocked() {
-			c.writerCond.Signal()
-		}
+		c.kickWriterLocked()
 		return
 	}
 	if !c.hasOutputLocked() {
 		return
 	}
+	if c.firstPayloadLocked() > inlineMax {
+		// Copying it would hold up the caller: the writer goroutine
+		// does it while the reader goes on reading.
+		c.kickWriterLocked()
+		return
+	}
 	c.writing = true
-	c.collectLocked()
+	c.collectLocked(inlineMax)
 	c.mu.Unlock()
 	n, err := c.writeNonblocking()
 	c.mu.Lock()
@@ -462,6 +467,30 @@ func (c *conn) flushLocked() {
 		c.writerCond.Signal()
 	}
 	c.quietCond.Broadcast()
+}
+
+// firstPayloadLocked is the payload length of the first frame
+// collectLocked would take.
+func (c *conn) firstPayloadLocked() int {
+	switch {
+	case c.rrHead < c.rrTail:
+		return len(c.rr[c.rrHead%uint64(len(c.rr))].data)
+	case c.ackOut > c.ackSent || c.nakPending || !c.canTransmitLocked():
+		return 0
+	}
+	e := &c.sq[c.sqTx%uint64(len(c.sq))]
+	if e.op == transport.OpRead {
+		return 0
+	}
+	return len(e.buf)
+}
+
+// kickWriterLocked wakes the writer goroutine for output queued, unless
+// the stream is taken: its holder looks for more output when done.
+func (c *conn) kickWriterLocked() {
+	if !c.writing && (c.wleft || c.hasOutputLocked()) {
+		c.writerCond.Signal()
+	}
 }
 
 // releaseBatchLocked forgets the batch in wnb and releases the windows of
@@ -551,8 +580,9 @@ func (c *conn) hasOutputLocked() bool {
 	return c.rrHead < c.rrTail || c.ackOut > c.ackSent || c.nakPending || c.canTransmitLocked()
 }
 
-// collectLocked builds the next batch of frames into c.wbufs.
-func (c *conn) collectLocked() {
+// collectLocked builds the next batch of frames into c.wbufs and c.wnb:
+// at most writeBatch frames and, past the first, budget bytes of payload.
+func (c *conn) collectLocked(budget int) {
 	c.wbufs = c.wbufs[:0]
 	n := 0
 	frame := func(data []byte) {
@@ -560,10 +590,14 @@ func (c *conn) collectLocked() {
 		if len(data) > 0 {
 			c.wbufs = append(c.wbufs, data)
 		}
+		budget -= len(data)
 		n++
 	}
 	for c.rrHead < c.rrTail && n < writeBatch {
 		r := &c.rr[c.rrHead%uint64(len(c.rr))]
+		if n > 0 && len(r.data) > budget {
+			break
+		}
 		c.wh[n].put(frameReadResp, 0, uint32(len(r.data)), r.seq, 0, 0, 0)
 		frame(r.data)
 		// The peer takes it for an ACK of r.seq as well.
@@ -591,6 +625,9 @@ func (c *conn) collectLocked() {
 	size := uint64(len(c.sq))
 	for n < writeBatch && c.canTransmitLocked() {
 		e := &c.sq[c.sqTx%size]
+		if n > 0 && e.op != transport.OpRead && len(e.buf) > budget {
+			break
+		}
 		seq := c.sqTx + 1
 		switch e.op {
 		case transport.OpSend:
