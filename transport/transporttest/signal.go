@@ -25,6 +25,7 @@ var signalTests = []struct {
 	{"HandlerPingPong", testHandlerPingPong},
 	{"HandlerFailure", testHandlerFailure},
 	{"HandlerCloseInside", testHandlerCloseInside},
+	{"HandlerConcurrent", testHandlerConcurrent},
 }
 
 func unsignaled(wr transport.WorkRequest) transport.WorkRequest {
