@@ -10,8 +10,11 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/rblk/rblk/transport"
 )
@@ -34,6 +37,12 @@ const (
 // writeBatch is the most frames the writer hands to one writev.
 const writeBatch = 64
 
+// inlineMax bounds the payload bytes a poster or the reader writes in its
+// non-blocking attempt: larger output is left to the writer goroutine,
+// whose wakeup costs little next to the copy, and which makes it while
+// the reader goes on reading.
+const inlineMax = 64 << 10
+
 // directReadMin is the smallest payload remainder read from the socket
 // straight into its destination; smaller ones go through the read buffer,
 // which lets one read(2) take in many small frames.
@@ -49,6 +58,8 @@ type sqEntry struct {
 	imm   uint32
 	fail  transport.Status // a local error found at post, or the peer's NAK
 	done  bool             // READ: the response is placed
+	// unsignaled: no completion on success (WorkRequest.Unsignaled).
+	unsignaled bool
 }
 
 // rqEntry is a posted receive.
@@ -58,7 +69,15 @@ type rqEntry struct {
 	fail transport.Status
 }
 
-// readResp is a READ response waiting for the writer.
+// cqEntry is a queued completion and the send-queue room it frees once
+// polled or delivered: its own entry and those of the unsignaled requests
+// it covers.
+type cqEntry struct {
+	comp   transport.Completion
+	sqFree int32
+}
+
+// readResp is a READ response waiting to be written.
 type readResp struct {
 	seq  uint64
 	data []byte
@@ -76,6 +95,8 @@ type readResp struct {
 type conn struct {
 	opts   Options
 	nc     net.Conn
+	rc     syscall.RawConn // for non-blocking writes; nil: the writer goroutine writes all
+	sr     *sockReader     // under br: runs beforeBlock before each read(2)
 	br     *bufio.Reader
 	local  string
 	remote string
@@ -90,13 +111,21 @@ type conn struct {
 	keyNext   uint32
 
 	mu         sync.Mutex
-	writerCond sync.Cond // the writer waits on it for output
+	writerCond sync.Cond // the writer goroutine waits on it for output
+	quietCond  sync.Cond // Close and finalize wait on it for the goroutines to let go
 	state      connState
+	stopped    atomic.Bool   // state is stateBroken: the reader stops at the next frame
 	cause      error         // why the connection broke
 	closedErr  error         // what Poll returns at the end
 	dying      chan struct{} // closed when the state leaves stateOpen
 	done       chan struct{} // closed when the goroutines are gone and all is flushed
 	finalized  bool
+	readerGone bool
+	writerGone bool
+	// quiet: closed, and no goroutine of the conn touches the memory of
+	// requests any more (quietCh is closed then).
+	quiet   bool
+	quietCh chan struct{}
 	// started: the goroutines run, or never will (closed before). A conn
 	// of ConnRequest.Prepare is not started until it is accepted; until
 	// then it takes receives but no sends.
@@ -108,7 +137,8 @@ type conn struct {
 	sqHead        uint64
 	sqTx          uint64
 	sqTail        uint64
-	sqOutstanding int  // posted and their completion not yet polled
+	sqOutstanding int  // posted and their room not yet freed by a polled completion
+	sqUncovered   int  // unsignaled requests that succeeded, not yet covered by a completion
 	sqFailed      bool // a request failed: nothing more runs
 	acked         uint64
 	readsInFlight int
@@ -120,13 +150,21 @@ type conn struct {
 	rqOutstanding int
 	recvPosted    chan struct{} // a token when a receive is posted (RNR wait)
 
-	// Completion queue: [cqHead, cqTail) wait for Poll.
-	cq      []transport.Completion
+	// Completion queue: [cqHead, cqTail) wait for Poll or the handler.
+	cq      []cqEntry
 	cqHead  uint64
 	cqTail  uint64
 	cqReady chan struct{} // a token when a completion is queued
 
-	// Responder output, filled by the reader, emptied by the writer.
+	// Completion handler (HandleCompletions). One goroutine at a time
+	// delivers (delivering), with mu released around the call.
+	handler    func([]transport.Completion, error)
+	delivering bool
+	readerInFn bool // the reader goroutine is inside handler
+	finalSent  bool // handler(nil, err) was called
+	dbuf       []transport.Completion
+
+	// Responder output, filled by the reader, emptied by whoever writes.
 	rr         []readResp // ring: [rrHead, rrTail)
 	rrHead     uint64
 	rrTail     uint64
@@ -137,16 +175,25 @@ type conn struct {
 	nakStatus  transport.Status
 
 	// Reader goroutine only.
-	rh        header
-	rseq      uint64 // last request of the peer executed
-	ackQueued uint64
-	rnrTimer  *time.Timer
+	rh       header
+	rseq     uint64 // last request of the peer executed
+	rnrTimer *time.Timer
 
-	// Writer goroutine only.
-	wh    [writeBatch]header
-	wbufs [][]byte
-	wnb   net.Buffers
-	wwins []*window // windows of the READ responses being written
+	// The stream is written by one goroutine at a time, the one that set
+	// writing: the writer goroutine, or a poster or the reader making one
+	// non-blocking attempt. It owns the fields below until it clears
+	// writing. wleft: wnb holds the rest of a batch that an attempt did
+	// not finish; only the writer goroutine goes on with it.
+	writing bool
+	wleft   bool
+	wh      [writeBatch]header
+	wbufs   [][]byte
+	wnb     net.Buffers
+	wwins   []*window // windows of the READ responses in wnb
+	iov     []unix.Iovec
+	rawFn   func(fd uintptr) bool // c.rawWritev, made once
+	rawN    int
+	rawErr  syscall.Errno
 
 	wg sync.WaitGroup
 }
@@ -165,6 +212,9 @@ func newConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRea
 // makeConn makes a connection over nc without starting it: it takes
 // registrations and receives, and start makes the work flow.
 func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerReads int) *conn {
+	if opts.hideSyscallConn {
+		nc = plainConn{nc}
+	}
 	c := &conn{
 		opts:   opts,
 		nc:     nc,
@@ -186,16 +236,43 @@ func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRe
 		sq:         make([]sqEntry, opts.SendQueueDepth),
 		rq:         make([]rqEntry, opts.RecvQueueDepth),
 		recvPosted: make(chan struct{}, 1),
-		cq:         make([]transport.Completion, opts.SendQueueDepth+opts.RecvQueueDepth),
+		cq:         make([]cqEntry, opts.SendQueueDepth+opts.RecvQueueDepth),
 		cqReady:    make(chan struct{}, 1),
+		quietCh:    make(chan struct{}),
 		rr:         make([]readResp, opts.MaxReadsInFlight),
 		wbufs:      make([][]byte, 0, 2*writeBatch),
 	}
 	c.writerCond.L = &c.mu
+	c.quietCond.L = &c.mu
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
+	if sc, ok := nc.(syscall.Conn); ok {
+		if rc, err := sc.SyscallConn(); err == nil {
+			c.rc = rc
+			c.iov = make([]unix.Iovec, 0, 2*writeBatch)
+			c.rawFn = c.rawWritev
+		}
+	}
+	// The reader reads through sr, which first hands out what the
+	// handshake's reader had buffered past the handshake.
+	c.sr = &sockReader{c: c}
+	if n := br.Buffered(); n > 0 {
+		pre, _ := br.Peek(n)
+		c.sr.pre = bytes.Clone(pre)
+	}
+	c.br = bufio.NewReaderSize(c.sr, readBufferSize)
 	return c
+}
+
+// plainConn is a net.Conn without SyscallConn (Options.hideSyscallConn).
+type plainConn struct{ net.Conn }
+
+func (p plainConn) CloseWrite() error {
+	if cw, ok := p.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
 }
 
 // start starts the goroutines of the connection; it reports false if the
@@ -213,7 +290,7 @@ func (c *conn) start() bool {
 	go c.writeLoop()
 	go func() {
 		c.wg.Wait()
-		c.finalize()
+		c.finalize(true)
 	}()
 	return true
 }
@@ -390,7 +467,7 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 		wr := &wrs[i]
 		buf, ok := c.localSpan(wr.Local, wr.Op == transport.OpRead)
 		e := &c.sq[c.sqTail%n]
-		*e = sqEntry{id: wr.ID, op: wr.Op, buf: buf, raddr: wr.RemoteAddr, rkey: wr.RKey, imm: wr.Imm}
+		*e = sqEntry{id: wr.ID, op: wr.Op, buf: buf, raddr: wr.RemoteAddr, rkey: wr.RKey, imm: wr.Imm, unsignaled: wr.Unsignaled}
 		switch {
 		case !ok:
 			e.fail = transport.StatusLocalProtectionError
@@ -401,7 +478,19 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	}
 	c.sqOutstanding += len(wrs)
 	c.advanceLocked()
-	c.writerCond.Signal()
+	switch {
+	case c.readerInFn:
+		// The reader writes it once the handler returns, in one writev
+		// with whatever else the handler posted and the ACK.
+	case c.sqHead < c.sqTx:
+		// Requests in flight: the connection is busy, and the writer
+		// goroutine batches what is posted while it wakes up and writes
+		// (one write per post would also make the peer acknowledge each).
+		c.kickWriterLocked()
+	default:
+		// Nothing in flight: write it now.
+		c.flushLocked()
+	}
 	return nil
 }
 
@@ -446,20 +535,12 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 	}
 	for {
 		c.mu.Lock()
+		if c.handler != nil {
+			c.mu.Unlock()
+			return 0, errors.New("poll: the completions go to the handler of HandleCompletions")
+		}
 		if c.cqHead < c.cqTail {
-			n := 0
-			size := uint64(len(c.cq))
-			for n < len(out) && c.cqHead < c.cqTail {
-				comp := &c.cq[c.cqHead%size]
-				out[n] = *comp
-				if comp.Op == transport.OpRecv || comp.Op == transport.OpRecvWriteImm {
-					c.rqOutstanding--
-				} else {
-					c.sqOutstanding--
-				}
-				c.cqHead++
-				n++
-			}
+			n := c.takeLocked(out)
 			more := c.cqHead < c.cqTail
 			c.mu.Unlock()
 			if more {
@@ -482,6 +563,25 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 	}
 }
 
+// takeLocked moves queued completions to out and frees the room they
+// stand for.
+func (c *conn) takeLocked(out []transport.Completion) int {
+	n := 0
+	size := uint64(len(c.cq))
+	for n < len(out) && c.cqHead < c.cqTail {
+		e := &c.cq[c.cqHead%size]
+		out[n] = e.comp
+		if e.comp.Op == transport.OpRecv || e.comp.Op == transport.OpRecvWriteImm {
+			c.rqOutstanding--
+		} else {
+			c.sqOutstanding -= int(e.sqFree)
+		}
+		c.cqHead++
+		n++
+	}
+	return n
+}
+
 func (c *conn) notifyPoller() {
 	select {
 	case c.cqReady <- struct{}{}:
@@ -489,27 +589,76 @@ func (c *conn) notifyPoller() {
 	}
 }
 
-// Close breaks the connection, waits for its goroutines and flushes what was
-// outstanding.
+// Close breaks the connection and returns once no goroutine of the conn
+// touches the memory of its requests any more: see shut.
 func (c *conn) Close() error {
+	c.shut(transport.ErrClosed)
+	return nil
+}
+
+// shut breaks the connection with cause and waits until it is quiet: the
+// reader and the writer are gone and the requests flushed (finalize ran),
+// or, when the reader is inside the completion handler (which may be the
+// caller), the writer is gone, nobody writes, and the reader is bound to
+// leave without touching anything once the handler returns. The
+// completions still to come are then delivered after the handler returns.
+func (c *conn) shut(cause error) {
 	c.mu.Lock()
-	c.closeLocked(transport.ErrClosed)
+	c.closeLocked(cause)
 	neverStarted := !c.started
 	c.started = true // a conn closed before it started never starts
 	c.mu.Unlock()
 	if neverStarted {
-		c.finalize()
+		c.finalize(false)
+		return
 	}
-	<-c.done
-	return nil
+	c.mu.Lock()
+	for !c.quiet {
+		if c.readerInFn && c.writerGone && !c.writing {
+			c.dropOutputLocked()
+			c.setQuietLocked()
+			break
+		}
+		c.quietCond.Wait()
+	}
+	c.mu.Unlock()
+	c.closeRegions()
 }
 
-// pushLocked queues a completion. The accounting of outstanding requests
-// keeps the ring from overflowing.
-func (c *conn) pushLocked(comp transport.Completion) {
-	c.cq[c.cqTail%uint64(len(c.cq))] = comp
+// setQuietLocked records that no goroutine of the conn touches the memory
+// of requests any more.
+func (c *conn) setQuietLocked() {
+	if !c.quiet {
+		c.quiet = true
+		close(c.quietCh)
+		c.quietCond.Broadcast()
+	}
+}
+
+// closeRegions takes every region and window out: Register fails from
+// now on and the peer's keys reach nothing.
+func (c *conn) closeRegions() {
+	c.regMu.Lock()
+	c.regClosed = true
+	clear(c.regions)
+	clear(c.windows)
+	c.regMu.Unlock()
+}
+
+// pushLocked queues a completion that frees sqFree entries of the send
+// queue once polled. The accounting of outstanding requests keeps the ring
+// from overflowing.
+func (c *conn) pushLocked(comp transport.Completion, sqFree int) {
+	c.cq[c.cqTail%uint64(len(c.cq))] = cqEntry{comp: comp, sqFree: int32(sqFree)}
 	c.cqTail++
 	c.notifyPoller()
+}
+
+// pushSendLocked queues the completion of a send request; it covers the
+// unsignaled requests that succeeded before it.
+func (c *conn) pushSendLocked(comp transport.Completion) {
+	c.pushLocked(comp, 1+c.sqUncovered)
+	c.sqUncovered = 0
 }
 
 // advanceLocked completes, in order, the send requests that are done.
@@ -518,7 +667,7 @@ func (c *conn) advanceLocked() {
 	for !c.sqFailed && c.sqHead < c.sqTail {
 		e := &c.sq[c.sqHead%n]
 		if e.fail != transport.StatusSuccess {
-			c.pushLocked(transport.Completion{ID: e.id, Op: e.op, Status: e.fail})
+			c.pushSendLocked(transport.Completion{ID: e.id, Op: e.op, Status: e.fail})
 			c.sqFailed = true
 			err := fmt.Errorf("%v request %d failed: %v", e.op, c.sqHead+1, e.fail)
 			e.buf = nil
@@ -536,7 +685,11 @@ func (c *conn) advanceLocked() {
 		} else if c.sqHead+1 > c.acked {
 			return
 		}
-		c.pushLocked(transport.Completion{ID: e.id, Op: e.op})
+		if e.unsignaled {
+			c.sqUncovered++
+		} else {
+			c.pushSendLocked(transport.Completion{ID: e.id, Op: e.op})
+		}
 		e.buf = nil
 		c.sqHead++
 	}
@@ -561,6 +714,7 @@ func (c *conn) closeLocked(err error) {
 		c.cause = err
 	}
 	c.state = stateBroken
+	c.stopped.Store(true)
 	c.nc.Close()
 	c.writerCond.Broadcast()
 }
@@ -581,15 +735,14 @@ func (c *conn) drainLocked(seq uint64, status transport.Status) {
 	c.writerCond.Broadcast()
 }
 
-// finalize runs once both goroutines are gone: it flushes every request
-// still outstanding and lets Poll report the end.
-func (c *conn) finalize() {
+// finalize runs once both goroutines are gone (or at Close of a conn that
+// never started): it flushes every request still outstanding and lets
+// Poll report the end. With deliver, it delivers what is left to the
+// handler, if any; a Close of a conn that never started is the caller's
+// goroutine, which must not run the handler: a goroutine of its own does.
+func (c *conn) finalize(deliver bool) {
 	c.nc.Close()
-	c.regMu.Lock()
-	c.regClosed = true
-	clear(c.regions)
-	clear(c.windows)
-	c.regMu.Unlock()
+	c.closeRegions()
 	if c.rnrTimer != nil {
 		c.rnrTimer.Stop()
 	}
@@ -600,6 +753,12 @@ func (c *conn) finalize() {
 		close(c.dying)
 	}
 	c.state = stateBroken
+	c.stopped.Store(true)
+	// A poster's write attempt finishes at once (it does not block).
+	for c.writing {
+		c.quietCond.Wait()
+	}
+	c.dropOutputLocked()
 	n := uint64(len(c.sq))
 	for ; c.sqHead < c.sqTail; c.sqHead++ {
 		e := &c.sq[c.sqHead%n]
@@ -608,7 +767,7 @@ func (c *conn) finalize() {
 			st = e.fail
 			c.sqFailed = true
 		}
-		c.pushLocked(transport.Completion{ID: e.id, Op: e.op, Status: st})
+		c.pushSendLocked(transport.Completion{ID: e.id, Op: e.op, Status: st})
 		e.buf = nil
 	}
 	c.sqTx = c.sqHead
@@ -619,19 +778,111 @@ func (c *conn) finalize() {
 		if e.fail != transport.StatusSuccess {
 			st = e.fail
 		}
-		c.pushLocked(transport.Completion{ID: e.id, Op: transport.OpRecv, Status: st})
+		c.pushLocked(transport.Completion{ID: e.id, Op: transport.OpRecv, Status: st}, 0)
 		e.buf = nil
 	}
-	for ; c.rrHead < c.rrTail; c.rrHead++ {
-		c.rr[c.rrHead%uint64(len(c.rr))].win.release()
-	}
-	clear(c.rr)
-	c.rrHead, c.rrTail = 0, 0
 	c.closedErr = transport.ErrClosed
 	if c.cause != nil && c.cause != transport.ErrClosed {
 		c.closedErr = fmt.Errorf("%w: %v", transport.ErrClosed, c.cause)
 	}
 	c.finalized = true
 	close(c.done)
+	c.setQuietLocked()
 	c.notifyPoller()
+	if c.handler != nil {
+		if deliver {
+			c.deliverLocked(false)
+		} else if !c.delivering {
+			go c.deliverAsync()
+		}
+	}
+}
+
+// dropOutputLocked drops the output nobody will write any more (the
+// stream is closed and the writer gone or going): READ responses, and the
+// rest of a batch left for the writer. Their windows are released.
+func (c *conn) dropOutputLocked() {
+	for ; c.rrHead < c.rrTail; c.rrHead++ {
+		r := &c.rr[c.rrHead%uint64(len(c.rr))]
+		r.win.release()
+		r.data, r.win = nil, nil
+	}
+	c.rrHead, c.rrTail = 0, 0
+	if !c.writing {
+		c.releaseBatchLocked()
+	}
+}
+
+// HandleCompletions makes the conn deliver its completions to fn from now
+// on: see transport.CompletionHandler. The reader goroutine calls fn with
+// the completions it produced (ACKs complete SENDs and WRITEs, READ
+// responses complete READs, the peer's SENDs complete receives) each time
+// it is about to wait for the stream: before a read(2) on the socket
+// (when its buffer is empty) and before it waits for a receive to be
+// posted (RNR). Completions that arise elsewhere (a request failing its
+// local checks at post, the flushes of a broken connection) are delivered
+// by the goroutine that flushes the connection once the reader and writer
+// are gone, and those queued before HandleCompletions by a goroutine of
+// their own: never by a caller of PostSend, PostRecv, Close or
+// HandleCompletions. While fn runs, the reader executes nothing of the
+// peer's.
+func (c *conn) HandleCompletions(fn func(cs []transport.Completion, err error)) {
+	if fn == nil {
+		panic("tcp: HandleCompletions with a nil function")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.handler != nil {
+		panic("tcp: HandleCompletions called twice")
+	}
+	c.handler = fn
+	c.dbuf = make([]transport.Completion, 64)
+	if c.cqHead < c.cqTail || c.finalized {
+		go c.deliverAsync()
+	}
+}
+
+// deliverAsync delivers what is queued, on a goroutine of its own.
+func (c *conn) deliverAsync() {
+	c.mu.Lock()
+	c.deliverLocked(false)
+	c.mu.Unlock()
+}
+
+// deliverLocked calls the handler with the queued completions until none
+// is left, and once the conn is finalized with the end, once; mu is
+// released during each call. If another goroutine is delivering, it
+// returns at once: that one takes what is queued, whenever it was queued,
+// before it stops. reader says the caller is the reader goroutine.
+func (c *conn) deliverLocked(reader bool) {
+	if c.handler == nil || c.delivering {
+		return
+	}
+	c.delivering = true
+	fn := c.handler
+	for {
+		if c.cqHead < c.cqTail {
+			n := c.takeLocked(c.dbuf)
+			if reader {
+				c.readerInFn = true
+				c.quietCond.Broadcast()
+			}
+			c.mu.Unlock()
+			fn(c.dbuf[:n], nil)
+			c.mu.Lock()
+			clear(c.dbuf[:n])
+			c.readerInFn = false
+			continue
+		}
+		if c.finalized && !c.finalSent {
+			c.finalSent = true
+			err := c.closedErr
+			c.mu.Unlock()
+			fn(nil, err)
+			c.mu.Lock()
+			continue
+		}
+		break
+	}
+	c.delivering = false
 }

@@ -32,12 +32,27 @@
 //
 // Requests are numbered in send-queue order (the seq field, like PSNs) and
 // executed in that order by the peer, which acknowledges them cumulatively:
-// one ACK each time it has drained what it had buffered, not one per
-// request. A SEND, WRITE or WRITE WITH IMMEDIATE completes when acknowledged,
-// a READ when its data is placed; completions of the send queue come in
-// send-queue order. At most Limits().MaxReadsInFlight READs are outstanding
-// (the smaller of both sides' Options.MaxReadsInFlight); later ones are held
-// back, in order, with whatever was posted after them.
+// one ACK each time it is about to wait for more input, not one per
+// request; a READ response acknowledges its READ and what came before,
+// so no ACK follows one that says no more. A SEND, WRITE or WRITE WITH
+// IMMEDIATE completes when acknowledged, a READ when its data is placed;
+// completions of the send queue come in send-queue order. At most
+// Limits().MaxReadsInFlight READs are outstanding (the smaller of both
+// sides' Options.MaxReadsInFlight); later ones are held back, in order,
+// with whatever was posted after them.
+//
+// A request posted with WorkRequest.Unsignaled gets no completion when it
+// succeeds. It keeps its room in the send queue (it counts against
+// SendQueueDepth) until a later completion of the send queue is polled or
+// delivered: that completion frees its own entry and those of the
+// unsignaled requests that succeeded before it. A request that fails, or
+// is flushed, completes with its status whether signaled or not.
+//
+// A Conn is a transport.CompletionHandler: after HandleCompletions(fn),
+// completions are not queued for Poll but passed to fn, in the same
+// order, by the goroutine where they arise (see below); a final
+// fn(nil, err) with err matching transport.ErrClosed comes once, after
+// every completion.
 //
 // The first failure breaks the connection as on an RC QP: the request that
 // failed completes with its status (the peer reports a refused request with a
@@ -55,15 +70,94 @@
 //
 // # Goroutines and deadlock freedom
 //
-// A Conn has a reader goroutine and a writer goroutine. Only the writer
-// writes to the stream; the reader never waits for it, it only queues work:
-// READ responses (at most this side's MaxReadsInFlight, which the peer was
-// told at connect time), one cumulative ACK and one NAK. With the posted
-// requests (at most SendQueueDepth) that bounds what the writer may have to
-// send, so two peers each blocked writing READ responses to the other cannot
-// deadlock: their readers keep reading. The writer hands up to 64 frames to
-// one writev (header and payload as separate buffers, payloads from the
-// registered memory with no copy), and writes as soon as it has output.
+// A Conn has a reader goroutine and a writer goroutine. The stream is
+// written by one goroutine at a time, whichever holds the conn's write
+// token: any of them makes its writes with a single writev of up to 64
+// frames (header and payload as separate buffers, payloads from the
+// registered memory with no copy), in the order the frames were queued.
+//
+//   - A poster (PostSend) whose requests find none of the conn's in
+//     flight (the queue-depth-1 case), the token free and no batch left
+//     unfinished, takes the token and makes one non-blocking writev of
+//     what is queued (syscall.RawConn.Write whose function never asks to
+//     wait): the conn's lock is not held during it, and it never waits
+//     for the socket. With requests in flight it wakes the writer
+//     goroutine instead, which batches what is posted meanwhile (a write
+//     per post would also make the peer acknowledge each). While the
+//     reader is inside the completion handler, posts only queue: the
+//     reader writes them when the handler returns, in one writev with the
+//     ACK.
+//   - The reader makes the same attempt, never waiting for the socket
+//     either, each time it is about to wait for input: before each
+//     read(2) (its buffer is empty) and before waiting for a receive to
+//     be posted (RNR). That is where it queues the cumulative ACK for
+//     what it executed, and it writes the READ responses, the ACK and a
+//     NAK it queued, with whatever requests are ready.
+//   - An attempt takes at most 64 KiB of payload (past the first frame),
+//     and none if the first frame alone is larger: copying that would
+//     hold up the caller, and the writer goroutine does it while the
+//     reader goes on reading.
+//   - What an attempt does not write (the socket buffer is full, the
+//     budget, or output queued while the token was busy) is left to the
+//     writer goroutine, woken for it, which finishes an unfinished batch
+//     first and then writes, blocking, until nothing is queued. It is the
+//     only goroutine that waits for the socket to take data. A stream
+//     without SyscallConn has no inline attempts: the writer goroutine
+//     writes all, woken by whoever queues output.
+//
+// The reader never waits for a write: it only queues output and makes
+// non-blocking attempts. Its output is bounded: READ responses (at most
+// this side's MaxReadsInFlight, which the peer was told at connect time),
+// one cumulative ACK and one NAK. With the posted requests (at most
+// SendQueueDepth) that bounds what the writer may have to send, so two
+// peers each blocked writing to the other cannot deadlock: their readers
+// keep reading, and make room.
+//
+// Completions arise on the reader (ACKs complete SENDs and WRITEs, READ
+// responses complete READs, incoming SENDs and WRITEs WITH IMMEDIATE
+// complete receives), at post (a request failing its local checks, which
+// breaks the connection), and when a broken or closed connection is
+// flushed, by the goroutine that waits for the reader and writer to be
+// gone. With Poll they are queued for it and the goroutine in Poll woken.
+// With a completion handler:
+//
+//   - the reader calls fn with what it completed at the same points where
+//     it writes, before it waits: before each read(2), and before it
+//     waits for a receive (fn may post the receive the SEND waits for).
+//     It first writes what something may be waiting for (READ responses,
+//     whose windows an Invalidate waits for; a NAK; requests ready to go),
+//     then calls fn, then writes the ACK, which a request fn posted has
+//     carried with it if the token was free;
+//   - completions that arise elsewhere are delivered by the reader if it
+//     is delivering at the time, else by the flushing goroutine once the
+//     reader and writer are gone (a failure at post breaks the
+//     connection, so it comes right before the flushes), and those
+//     queued before HandleCompletions by a goroutine of its own:
+//     never by a goroutine that posts, closes or calls HandleCompletions,
+//     which may hold locks of its own that fn takes;
+//   - one goroutine delivers at a time, in queue order, with no lock of
+//     the conn held, so fn may post, register and close; a goroutine that
+//     finds another delivering leaves what it queued to it. The room of a
+//     completion is freed before fn gets it, so fn may repost at once;
+//   - while fn runs on the reader, the reader executes nothing of the
+//     peer's: a slow fn holds up the connection (the contract: fn must
+//     not block). Before it calls fn it has handed the output that
+//     anything may wait for to the stream or the writer goroutine, so
+//     fn's own waits (none are allowed but Invalidate, which waits for
+//     the windows in use) depend on no progress of the reader, except
+//     for a WRITE the reader is placing through the window being
+//     invalidated: that Invalidate waits for its ctx, then closes. What
+//     is posted meanwhile (by fn or anyone) waits for fn to return; no
+//     goroutine of the conn waits for it.
+//
+// Close (from anywhere, fn included) breaks the connection and waits until
+// no goroutine of the conn touches the memory of requests: the reader and
+// writer gone and the requests flushed, or, when the reader is inside fn
+// (fn may be the caller, or wait for a lock the caller holds), the writer
+// gone, no write attempt running, and the reader bound to stop, touching
+// nothing, as soon as fn returns (it checks between frames and before
+// each read). The flushed completions and the final call come after fn
+// returns, from the flushing goroutine.
 //
 // # Frames
 //

@@ -4,7 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
+	"net"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/rblk/rblk/transport"
 )
@@ -31,17 +36,69 @@ func (c *conn) readLoop() {
 	err := c.serve()
 	c.mu.Lock()
 	c.breakLocked(err)
+	c.readerGone = true
+	c.quietCond.Broadcast()
 	c.mu.Unlock()
+}
+
+// sockReader is what the reader's bufio.Reader reads from: the bytes the
+// handshake read past its frames, then the socket, with beforeBlock run
+// before each read(2). Payloads read straight into their destination go
+// through it as well.
+type sockReader struct {
+	c   *conn
+	pre []byte
+}
+
+func (r *sockReader) Read(p []byte) (int, error) {
+	if len(r.pre) > 0 {
+		n := copy(p, r.pre)
+		r.pre = r.pre[n:]
+		return n, nil
+	}
+	if err := r.c.beforeBlock(); err != nil {
+		return 0, err
+	}
+	return r.c.nc.Read(p)
+}
+
+// beforeBlock runs on the reader goroutine each time it may wait: before
+// a read(2) on the socket (nothing is buffered), and before it waits for
+// a receive to be posted. It acknowledges what was executed (one
+// cumulative ACK per batch of requests, not one per request), calls the
+// completion handler with what completed, and writes the output queued,
+// if the stream is free, in one non-blocking attempt; the rest goes to
+// the writer goroutine. Output that something may wait for (READ
+// responses, whose windows an Invalidate waits for, a NAK, requests held
+// back) is written before the handler runs; a lone ACK after it, so that
+// what the handler posts carries it in the same write. It reports
+// errStopped once the conn is closed (possibly by the handler): the
+// reader must then touch nothing.
+func (c *conn) beforeBlock() error {
+	c.mu.Lock()
+	if c.state == stateOpen && c.rseq > c.ackOut {
+		c.ackOut = c.rseq
+	}
+	if c.handler != nil && c.cqHead < c.cqTail && !c.delivering {
+		if c.rrHead < c.rrTail || c.nakPending || c.canTransmitLocked() {
+			c.flushLocked()
+		}
+		c.deliverLocked(true)
+	}
+	c.flushLocked()
+	c.mu.Unlock()
+	if c.stopped.Load() {
+		return errStopped
+	}
+	return nil
 }
 
 func (c *conn) serve() error {
 	draining := false
 	h := &c.rh
 	for {
-		// Acknowledge what was executed once nothing more is buffered:
-		// one ACK per batch of requests rather than one per request.
-		if !draining && c.rseq > c.ackQueued && c.br.Buffered() == 0 {
-			c.queueAck()
+		if c.stopped.Load() {
+			return errStopped
 		}
 		if _, err := io.ReadFull(c.br, h[:]); err != nil {
 			if draining {
@@ -163,9 +220,9 @@ func (c *conn) execute(h *header) (transport.Status, error) {
 		}
 		// The window stays in use until the writer sent the data (an
 		// Invalidate waits for that), or finalize dropped the response.
+		// It is written at the next beforeBlock, with what else is queued.
 		c.rr[c.rrTail%uint64(len(c.rr))] = readResp{seq: h.seq(), data: src, win: w}
 		c.rrTail++
-		c.writerCond.Signal()
 	}
 	return transport.StatusSuccess, nil
 }
@@ -180,7 +237,7 @@ func (c *conn) readPayload(dst []byte) error {
 	}
 	var err error
 	if len(dst)-n >= directReadMin {
-		_, err = io.ReadFull(c.nc, dst[n:])
+		_, err = io.ReadFull(c.sr, dst[n:])
 	} else {
 		_, err = io.ReadFull(c.br, dst[n:])
 	}
@@ -196,7 +253,7 @@ func (c *conn) readPayload(dst []byte) error {
 // takeRecv returns the oldest posted receive, waiting up to RNRTimeout for
 // one. It stays queued until completeRecv.
 func (c *conn) takeRecv() (*rqEntry, transport.Status, error) {
-	waiting := false
+	blocked, waiting := false, false
 	for {
 		c.mu.Lock()
 		if c.state != stateOpen {
@@ -212,13 +269,18 @@ func (c *conn) takeRecv() (*rqEntry, transport.Status, error) {
 			return e, transport.StatusSuccess, nil
 		}
 		c.mu.Unlock()
+		if !blocked {
+			// Acknowledge what is done and deliver the completions before
+			// waiting: the peer may be waiting for those completions to
+			// post more, and the handler may post the receive.
+			blocked = true
+			if err := c.beforeBlock(); err != nil {
+				return nil, 0, err
+			}
+			continue
+		}
 		if !waiting {
 			waiting = true
-			// Acknowledge what is done before blocking: the peer may be
-			// waiting for those completions to post more.
-			if c.rseq > c.ackQueued {
-				c.queueAck()
-			}
 			if c.rnrTimer == nil {
 				c.rnrTimer = time.NewTimer(c.opts.RNRTimeout)
 			} else {
@@ -240,20 +302,10 @@ func (c *conn) takeRecv() (*rqEntry, transport.Status, error) {
 func (c *conn) completeRecv(op transport.Opcode, st transport.Status, n int, imm uint32) {
 	c.mu.Lock()
 	e := &c.rq[c.rqHead%uint64(len(c.rq))]
-	c.pushLocked(transport.Completion{ID: e.id, Op: op, Status: st, ByteLen: n, Imm: imm})
+	c.pushLocked(transport.Completion{ID: e.id, Op: op, Status: st, ByteLen: n, Imm: imm}, 0)
 	e.buf = nil
 	c.rqHead++
 	c.mu.Unlock()
-}
-
-func (c *conn) queueAck() {
-	c.mu.Lock()
-	if c.rseq > c.ackOut {
-		c.ackOut = c.rseq
-		c.writerCond.Signal()
-	}
-	c.mu.Unlock()
-	c.ackQueued = c.rseq
 }
 
 // readResponse places the data of a READ response.
@@ -280,7 +332,7 @@ func (c *conn) readResponse(h *header) error {
 	c.readsInFlight--
 	c.acked = max(c.acked, seq)
 	c.advanceLocked()
-	c.writerCond.Signal() // a READ may have been held back
+	// A READ held back may go now: at the next beforeBlock.
 	c.mu.Unlock()
 	return nil
 }
@@ -315,43 +367,200 @@ func (c *conn) nak(seq uint64, st transport.Status) error {
 	return nil
 }
 
-// writeLoop is the writer goroutine: the only one writing to the stream.
-// It sends, in this order, READ responses, the cumulative ACK, a NAK, and
-// the requests posted, batching the frames of many of them into one writev.
+// writeLoop is the writer goroutine: it writes, blocking, what the
+// non-blocking attempts of posters and of the reader left: the rest of a
+// batch they did not finish, and output queued while the stream was busy
+// or where no attempt is made (a net.Conn without SyscallConn). It takes
+// the stream only when no one else has it, and goes on as long as there
+// is output, batching the frames of many requests into one writev.
 func (c *conn) writeLoop() {
 	defer c.wg.Done()
 	c.mu.Lock()
+	defer func() {
+		c.writerGone = true
+		c.quietCond.Broadcast()
+		c.mu.Unlock()
+	}()
 	for {
-		for c.state != stateBroken && !c.hasOutputLocked() {
-			if c.state == stateDraining {
+		for c.state != stateBroken && (c.writing || (!c.wleft && !c.hasOutputLocked())) {
+			if c.state == stateDraining && !c.writing {
 				// The NAK is out: end our half of the stream.
 				c.mu.Unlock()
 				if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
 					cw.CloseWrite()
 				}
+				c.mu.Lock()
 				return
 			}
 			c.writerCond.Wait()
 		}
 		if c.state == stateBroken {
-			c.mu.Unlock()
+			if !c.writing {
+				c.releaseBatchLocked()
+			}
 			return
 		}
-		c.collectLocked()
-		c.mu.Unlock()
-		c.wnb = c.wbufs
-		_, err := c.wnb.WriteTo(c.nc)
-		for i, w := range c.wwins {
-			w.release()
-			c.wwins[i] = nil
+		c.writing = true
+		if c.wleft {
+			c.wleft = false
+		} else {
+			c.collectLocked(math.MaxInt)
 		}
-		c.wwins = c.wwins[:0]
+		c.mu.Unlock()
+		_, err := c.wnb.WriteTo(c.nc)
 		c.mu.Lock()
+		c.writing = false
+		c.releaseBatchLocked()
+		c.quietCond.Broadcast()
 		if err != nil {
 			c.breakLocked(fmt.Errorf("write: %w", err))
-			c.mu.Unlock()
 			return
 		}
+	}
+}
+
+// flushLocked writes the output queued, if any, when the stream is free:
+// one non-blocking writev (mu released during it). What it could not
+// write, and what was queued meanwhile, is left to the writer goroutine,
+// which is woken for it. Without a SyscallConn, or when the writer
+// goroutine has a batch to finish, it only wakes the writer. A poster and
+// the reader call it: neither blocks on the socket.
+func (c *conn) flushLocked() {
+	if c.writing || c.state == stateBroken {
+		return // the holder of the stream looks for more output when done
+	}
+	if c.wleft || c.rc == nil {
+		c.kickWriterLocked()
+		return
+	}
+	if !c.hasOutputLocked() {
+		return
+	}
+	if c.firstPayloadLocked() > inlineMax {
+		// Copying it would hold up the caller: the writer goroutine
+		// does it while the reader goes on reading.
+		c.kickWriterLocked()
+		return
+	}
+	c.writing = true
+	c.collectLocked(inlineMax)
+	c.mu.Unlock()
+	n, err := c.writeNonblocking()
+	c.mu.Lock()
+	c.writing = false
+	if err == nil {
+		consume(&c.wnb, n)
+		if len(c.wnb) == 0 {
+			c.releaseBatchLocked()
+		} else {
+			c.wleft = true
+		}
+	} else {
+		c.releaseBatchLocked()
+		c.breakLocked(fmt.Errorf("write: %w", err))
+	}
+	if c.state == stateBroken {
+		c.releaseBatchLocked()
+		c.wleft = false
+	}
+	if c.wleft || c.hasOutputLocked() || c.state == stateDraining {
+		c.writerCond.Signal()
+	}
+	c.quietCond.Broadcast()
+}
+
+// firstPayloadLocked is the payload length of the first frame
+// collectLocked would take.
+func (c *conn) firstPayloadLocked() int {
+	switch {
+	case c.rrHead < c.rrTail:
+		return len(c.rr[c.rrHead%uint64(len(c.rr))].data)
+	case c.ackOut > c.ackSent || c.nakPending || !c.canTransmitLocked():
+		return 0
+	}
+	e := &c.sq[c.sqTx%uint64(len(c.sq))]
+	if e.op == transport.OpRead {
+		return 0
+	}
+	return len(e.buf)
+}
+
+// kickWriterLocked wakes the writer goroutine for output queued, unless
+// the stream is taken: its holder looks for more output when done.
+func (c *conn) kickWriterLocked() {
+	if !c.writing && (c.wleft || c.hasOutputLocked()) {
+		c.writerCond.Signal()
+	}
+}
+
+// releaseBatchLocked forgets the batch in wnb and releases the windows of
+// its READ responses, written or dropped.
+func (c *conn) releaseBatchLocked() {
+	for i, w := range c.wwins {
+		w.release()
+		c.wwins[i] = nil
+	}
+	c.wwins = c.wwins[:0]
+	clear(c.wbufs[:cap(c.wbufs)])
+	c.wnb = nil
+	c.wleft = false
+}
+
+// writeNonblocking makes one writev of c.wnb that does not wait for the
+// socket: it returns what was written, 0 if the socket buffer is full.
+func (c *conn) writeNonblocking() (int, error) {
+	c.iov = c.iov[:0]
+	for _, b := range c.wnb {
+		if len(b) > 0 {
+			v := unix.Iovec{Base: &b[0]}
+			v.SetLen(len(b))
+			c.iov = append(c.iov, v)
+		}
+	}
+	if len(c.iov) == 0 {
+		return 0, nil
+	}
+	c.rawN, c.rawErr = 0, 0
+	err := c.rc.Write(c.rawFn)
+	clear(c.iov)
+	if err != nil {
+		return 0, err
+	}
+	switch c.rawErr {
+	case 0:
+		return c.rawN, nil
+	case unix.EAGAIN:
+		return 0, nil
+	}
+	return 0, c.rawErr
+}
+
+// rawWritev is the function of syscall.RawConn.Write: one writev,
+// returning true so that Write never waits for the socket to be writable.
+func (c *conn) rawWritev(fd uintptr) bool {
+	for {
+		n, _, e := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(len(c.iov)))
+		if e == unix.EINTR {
+			continue
+		}
+		c.rawN, c.rawErr = int(n), e
+		if e != 0 {
+			c.rawN = 0
+		}
+		return true
+	}
+}
+
+// consume drops the first n bytes of *v.
+func consume(v *net.Buffers, n int) {
+	for len(*v) > 0 {
+		l := len((*v)[0])
+		if n < l {
+			(*v)[0] = (*v)[0][n:]
+			return
+		}
+		n -= l
+		*v = (*v)[1:]
 	}
 }
 
@@ -371,8 +580,9 @@ func (c *conn) hasOutputLocked() bool {
 	return c.rrHead < c.rrTail || c.ackOut > c.ackSent || c.nakPending || c.canTransmitLocked()
 }
 
-// collectLocked builds the next batch of frames into c.wbufs.
-func (c *conn) collectLocked() {
+// collectLocked builds the next batch of frames into c.wbufs and c.wnb:
+// at most writeBatch frames and, past the first, budget bytes of payload.
+func (c *conn) collectLocked(budget int) {
 	c.wbufs = c.wbufs[:0]
 	n := 0
 	frame := func(data []byte) {
@@ -380,12 +590,18 @@ func (c *conn) collectLocked() {
 		if len(data) > 0 {
 			c.wbufs = append(c.wbufs, data)
 		}
+		budget -= len(data)
 		n++
 	}
 	for c.rrHead < c.rrTail && n < writeBatch {
 		r := &c.rr[c.rrHead%uint64(len(c.rr))]
+		if n > 0 && len(r.data) > budget {
+			break
+		}
 		c.wh[n].put(frameReadResp, 0, uint32(len(r.data)), r.seq, 0, 0, 0)
 		frame(r.data)
+		// The peer takes it for an ACK of r.seq as well.
+		c.ackSent = max(c.ackSent, r.seq)
 		if r.win != nil {
 			c.wwins = append(c.wwins, r.win)
 		}
@@ -393,6 +609,7 @@ func (c *conn) collectLocked() {
 		c.rrHead++
 	}
 	if c.rrHead < c.rrTail {
+		c.wnb = c.wbufs
 		return // responses first: the ACK and NAK follow them
 	}
 	if c.ackOut > c.ackSent && n < writeBatch {
@@ -408,6 +625,9 @@ func (c *conn) collectLocked() {
 	size := uint64(len(c.sq))
 	for n < writeBatch && c.canTransmitLocked() {
 		e := &c.sq[c.sqTx%size]
+		if n > 0 && e.op != transport.OpRead && len(e.buf) > budget {
+			break
+		}
 		seq := c.sqTx + 1
 		switch e.op {
 		case transport.OpSend:
@@ -426,4 +646,5 @@ func (c *conn) collectLocked() {
 		}
 		c.sqTx++
 	}
+	c.wnb = c.wbufs
 }

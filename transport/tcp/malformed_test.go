@@ -328,3 +328,11 @@ func TestReadsBeyondResponderResources(t *testing.T) {
 	p.nc.Close()
 	expectBroken(t, c, "refused request")
 }
+
+// TestConformanceNoSyscallConn runs the data path over streams without
+// SyscallConn, where no write is made inline: the writer goroutine writes
+// everything.
+func TestConformanceNoSyscallConn(t *testing.T) {
+	p := NewWithOptions("tcp", Options{hideSyscallConn: true})
+	transporttest.Run(t, transporttest.PairFunc(p, func(*testing.T) string { return "127.0.0.1:0" }))
+}

@@ -37,6 +37,10 @@ type Options struct {
 	// Logger gets the temporary accept errors the listener retries (warn).
 	// Default: no logging.
 	Logger *zap.Logger
+
+	// hideSyscallConn makes conns use their stream as a net.Conn without
+	// SyscallConn (tests: the path where the writer goroutine writes all).
+	hideSyscallConn bool
 }
 
 func (o Options) withDefaults() Options {

@@ -112,7 +112,9 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 // Invalidate takes the key out of the table, then waits for the peer's
 // requests that use the span to be done with it. If ctx ends first (a
 // peer stalled in the middle of a WRITE's payload, say), it closes the
-// connection, which ends them, and waits for that.
+// connection, which ends them, and waits for that. Called from the
+// completion handler while the reader is placing a WRITE through the
+// window, it waits for ctx, since the reader waits for the handler.
 func (w *window) Invalidate(ctx context.Context) error {
 	c := w.c
 	c.regMu.Lock()
@@ -135,14 +137,17 @@ func (w *window) Invalidate(ctx context.Context) error {
 	select {
 	case <-idle:
 		return nil
+	case <-c.quietCh:
+		// Closed, and nothing of the conn touches the memory any more
+		// (the reader may still hold the window, inside the completion
+		// handler: it lets go of it without touching it).
+		return nil
 	case <-ctx.Done():
 	}
-	c.mu.Lock()
-	c.closeLocked(fmt.Errorf("a request of the peer held an invalidated window past the invalidation's deadline: %w", ctx.Err()))
-	c.mu.Unlock()
-	// The reader and the writer leave once the stream is closed, and
-	// finalize drops the READ responses they did not send.
-	<-idle
+	// The reader and the writer leave once the stream is closed, and the
+	// READ responses they did not send are dropped; shut waits for that
+	// (or for the reader to be inside the handler, bound to leave).
+	c.shut(fmt.Errorf("a request of the peer held an invalidated window past the invalidation's deadline: %w", ctx.Err()))
 	return nil
 }
 

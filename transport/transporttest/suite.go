@@ -69,6 +69,13 @@ func Run(t *testing.T, newPair func(t *testing.T) (a, b transport.Conn)) {
 			tc.fn(e)
 		})
 	}
+	for _, tc := range signalTests {
+		t.Run(tc.name, func(t *testing.T) {
+			CheckGoroutines(t)
+			e := newEnv(t, newPair)
+			tc.fn(e)
+		})
+	}
 }
 
 // env is one subtest's pair of conns and the memory it allocated.
@@ -720,9 +727,7 @@ func testQueueFull(e *env) {
 // testConcurrent: goroutines post WRITEs and READs on one conn at once while
 // one goroutine polls and dispatches completions.
 func testConcurrent(e *env) {
-	const workers, rounds, span = 8, 100, 2048
-	la := e.region(e.a, 2*workers*span, rw)
-	rb := e.region(e.b, workers*span, all)
+	const workers, rounds = 8, 100
 	done := make([]chan transport.Completion, workers)
 	for i := range done {
 		done[i] = make(chan transport.Completion, 4)
@@ -746,6 +751,44 @@ func testConcurrent(e *env) {
 			left -= n
 		}
 	}()
+	e.concurrent(workers, rounds, done, pollerDone, func() error { return pollErr })
+	cancel()
+	<-pollerDone
+}
+
+// testHandlerConcurrent is testConcurrent with a's completions dispatched
+// by a completion handler, which the workers' posts meet at any point.
+func testHandlerConcurrent(e *env) {
+	const workers, rounds = 8, 100
+	done := make([]chan transport.Completion, workers)
+	for i := range done {
+		done[i] = make(chan transport.Completion, 4) // 2 outstanding per worker: never full
+	}
+	r := newRecorder("a")
+	ended := make(chan struct{})
+	r.hook = func(cs []transport.Completion) {
+		for _, c := range cs {
+			done[c.ID>>32] <- c
+		}
+	}
+	e.install(e.a, r)
+	go func() {
+		<-r.final
+		close(ended)
+	}()
+	e.concurrent(workers, rounds, done, ended, func() error { return r.finalErr })
+	e.a.Close()
+	e.waitFinal(r)
+}
+
+// concurrent runs workers goroutines that each post, rounds times, a
+// WRITE and a READ of the same span of b and check what they read back.
+// done[w] gets worker w's completions; ended is closed if they stop
+// coming, with endErr() saying why.
+func (e *env) concurrent(workers, rounds int, done []chan transport.Completion, ended chan struct{}, endErr func() error) {
+	const span = 2048
+	la := e.region(e.a, 2*workers*span, rw)
+	rb := e.region(e.b, workers*span, all)
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
 	for w := range workers {
@@ -777,11 +820,11 @@ func testConcurrent(e *env) {
 					var c transport.Completion
 					select {
 					case c = <-done[w]:
-					case <-pollerDone:
+					case <-ended:
 						select {
 						case c = <-done[w]:
 						default:
-							errs <- fmt.Errorf("worker %d: poller ended: %v", w, pollErr)
+							errs <- fmt.Errorf("worker %d: completions ended: %v", w, endErr())
 							return
 						}
 					}
@@ -802,8 +845,6 @@ func testConcurrent(e *env) {
 	for err := range errs {
 		e.t.Error(err)
 	}
-	cancel()
-	<-pollerDone
 }
 
 func testPollContext(e *env) {
