@@ -60,71 +60,10 @@ func setup(b *testing.B, chunkSize int, volSize int64) *initiator.Volume {
 	return v
 }
 
-func benchIO(b *testing.B, write bool, bs int, depth int) {
-	const volSize = 64 << 20
-	v := setup(b, target.DefaultChunkSize, volSize)
-	ctx := context.Background()
-	b.SetBytes(int64(bs))
-	b.ReportAllocs()
-	b.ResetTimer()
-	var wg sync.WaitGroup
-	per := b.N / depth
-	for w := range depth {
-		n := per
-		if w == 0 {
-			n += b.N % depth
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			buf, err := v.Alloc(ctx, bs)
-			if err != nil {
-				b.Error(err)
-				return
-			}
-			defer v.Free(buf)
-			off := uint64(w*bs) % volSize
-			for range n {
-				if write {
-					err = v.WriteAt(ctx, buf, off, false)
-				} else {
-					err = v.ReadAt(ctx, buf, off)
-				}
-				if err != nil {
-					b.Error(err)
-					return
-				}
-				off = (off + uint64(depth*bs) + 12345*4096) % (volSize - uint64(bs))
-				off &^= 4095
-			}
-		}()
-	}
-	wg.Wait()
-}
-
-// BenchmarkPath measures the initiator's Volume against a target over the
-// software RDMA provider on TCP loopback: RDMA READ (read), RDMA WRITE plus
-// Done (write), by block size and number of requests in flight.
-func BenchmarkPath(b *testing.B) {
-	for _, write := range []bool{false, true} {
-		for _, c := range []struct{ bs, depth int }{{4096, 1}, {4096, 32}, {1 << 20, 8}} {
-			op := "read"
-			if write {
-				op = "write"
-			}
-			b.Run(fmt.Sprintf("%s/bs=%d/qd=%d", op, c.bs, c.depth), func(b *testing.B) { benchIO(b, write, c.bs, c.depth) })
-		}
-	}
-}
-
-// chanCompletion hands a request's result to a channel.
-type chanCompletion chan error
-
-func (c chanCompletion) Complete(err error) { c <- err }
-
-// benchSubmit is benchIO through the run-to-completion path
-// (blockdev.Submitter), as the NBD server drives it.
-func benchSubmit(b *testing.B, write bool, bs int, depth int) {
+// benchIO runs depth goroutines of bs-byte IO each, with ReadAt and
+// WriteAt, or with submit through the run-to-completion path
+// (blockdev.Submitter) as the NBD server drives it.
+func benchIO(b *testing.B, write bool, bs int, depth int, submit bool) {
 	const volSize = 64 << 20
 	v := setup(b, target.DefaultChunkSize, volSize)
 	ctx := context.Background()
@@ -150,12 +89,19 @@ func benchSubmit(b *testing.B, write bool, bs int, depth int) {
 			done := make(chanCompletion, 1)
 			off := uint64(w*bs) % volSize
 			for range n {
-				if write {
+				switch {
+				case submit && write:
 					v.SubmitWrite(ctx, buf, off, false, done)
-				} else {
+					err = <-done
+				case submit:
 					v.SubmitRead(ctx, buf, off, done)
+					err = <-done
+				case write:
+					err = v.WriteAt(ctx, buf, off, false)
+				default:
+					err = v.ReadAt(ctx, buf, off)
 				}
-				if err := <-done; err != nil {
+				if err != nil {
 					b.Error(err)
 					return
 				}
@@ -167,6 +113,26 @@ func benchSubmit(b *testing.B, write bool, bs int, depth int) {
 	wg.Wait()
 }
 
+// BenchmarkPath measures the initiator's Volume against a target over the
+// software RDMA provider on TCP loopback: RDMA READ (read), RDMA WRITE plus
+// Done (write), by block size and number of requests in flight.
+func BenchmarkPath(b *testing.B) {
+	for _, write := range []bool{false, true} {
+		for _, c := range []struct{ bs, depth int }{{4096, 1}, {4096, 32}, {1 << 20, 8}} {
+			op := "read"
+			if write {
+				op = "write"
+			}
+			b.Run(fmt.Sprintf("%s/bs=%d/qd=%d", op, c.bs, c.depth), func(b *testing.B) { benchIO(b, write, c.bs, c.depth, false) })
+		}
+	}
+}
+
+// chanCompletion hands a request's result to a channel.
+type chanCompletion chan error
+
+func (c chanCompletion) Complete(err error) { c <- err }
+
 // BenchmarkSubmit is BenchmarkPath through SubmitRead and SubmitWrite.
 func BenchmarkSubmit(b *testing.B) {
 	for _, write := range []bool{false, true} {
@@ -175,7 +141,7 @@ func BenchmarkSubmit(b *testing.B) {
 			if write {
 				op = "write"
 			}
-			b.Run(fmt.Sprintf("%s/bs=%d/qd=%d", op, c.bs, c.depth), func(b *testing.B) { benchSubmit(b, write, c.bs, c.depth) })
+			b.Run(fmt.Sprintf("%s/bs=%d/qd=%d", op, c.bs, c.depth), func(b *testing.B) { benchIO(b, write, c.bs, c.depth, true) })
 		}
 	}
 }

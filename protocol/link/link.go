@@ -176,16 +176,24 @@ type Link struct {
 	wg        sync.WaitGroup
 }
 
+// pop takes an item off a free list (l.mu held), or makes one.
+func pop[T any](free *[]*T, mk func() *T) *T {
+	if n := len(*free); n > 0 {
+		x := (*free)[n-1]
+		*free = (*free)[:n-1]
+		return x
+	}
+	return mk()
+}
+
+func newBatch() *batch   { return &batch{done: make(chan struct{}, 1)} }
+func newWaiter() *waiter { return &waiter{done: make(chan struct{}, 1)} }
+
 // getBatch takes a batch off the free list; putBatch gives it back.
 func (l *Link) getBatch() *batch {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if n := len(l.freeBatches); n > 0 {
-		b := l.freeBatches[n-1]
-		l.freeBatches = l.freeBatches[:n-1]
-		return b
-	}
-	return &batch{done: make(chan struct{}, 1)}
+	return pop(&l.freeBatches, newBatch)
 }
 
 func (l *Link) putBatch(b *batch) {
@@ -198,12 +206,7 @@ func (l *Link) putBatch(b *batch) {
 func (l *Link) getWaiter() *waiter {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if n := len(l.freeWaiters); n > 0 {
-		w := l.freeWaiters[n-1]
-		l.freeWaiters = l.freeWaiters[:n-1]
-		return w
-	}
-	return &waiter{done: make(chan struct{}, 1)}
+	return pop(&l.freeWaiters, newWaiter)
 }
 
 func (l *Link) putWaiter(w *waiter) {
