@@ -38,9 +38,9 @@ const (
 const writeBatch = 64
 
 // inlineMax bounds the payload bytes a poster or the reader writes in its
-// non-blocking attempt: larger output is left to the writer goroutine,
-// whose wakeup costs little next to the copy, and which makes it while
-// the reader goes on reading.
+// non-blocking attempt: when more is queued, all of it is left to the
+// writer goroutine, whose wakeup costs little next to the copy, which
+// makes it while the reader goes on reading, and in one batch.
 const inlineMax = 64 << 10
 
 // directReadMin is the smallest payload remainder read from the socket
@@ -168,6 +168,7 @@ type conn struct {
 	rr         []readResp // ring: [rrHead, rrTail)
 	rrHead     uint64
 	rrTail     uint64
+	rrBytes    int    // payload bytes of the responses in rr
 	ackOut     uint64 // cumulative ACK to send
 	ackSent    uint64
 	nakPending bool
@@ -186,14 +187,18 @@ type conn struct {
 	// not finish; only the writer goroutine goes on with it.
 	writing bool
 	wleft   bool
-	wh      [writeBatch]header
-	wbufs   [][]byte
-	wnb     net.Buffers
-	wwins   []*window // windows of the READ responses in wnb
-	iov     []unix.Iovec
-	rawFn   func(fd uintptr) bool // c.rawWritev, made once
-	rawN    int
-	rawErr  syscall.Errno
+	// writerWoken: the writer goroutine was signaled and has not yet
+	// taken the stream or gone back to waiting; attempts leave the
+	// output to it.
+	writerWoken bool
+	wh          [writeBatch]header
+	wbufs       [][]byte
+	wnb         net.Buffers
+	wwins       []*window // windows of the READ responses in wnb
+	iov         []unix.Iovec
+	rawFn       func(fd uintptr) bool // c.rawWritev, made once
+	rawN        int
+	rawErr      syscall.Errno
 
 	wg sync.WaitGroup
 }
@@ -257,6 +262,7 @@ func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRe
 	// The reader reads through sr, which first hands out what the
 	// handshake's reader had buffered past the handshake.
 	c.sr = &sockReader{c: c}
+	c.sr.fn = c.sr.rawRead
 	if n := br.Buffered(); n > 0 {
 		pre, _ := br.Peek(n)
 		c.sr.pre = bytes.Clone(pre)
@@ -807,7 +813,7 @@ func (c *conn) dropOutputLocked() {
 		r.win.release()
 		r.data, r.win = nil, nil
 	}
-	c.rrHead, c.rrTail = 0, 0
+	c.rrHead, c.rrTail, c.rrBytes = 0, 0, 0
 	if !c.writing {
 		c.releaseBatchLocked()
 	}
