@@ -823,15 +823,16 @@ func (c *conn) dropOutputLocked() {
 // on: see transport.CompletionHandler. The reader goroutine calls fn with
 // the completions it produced (ACKs complete SENDs and WRITEs, READ
 // responses complete READs, the peer's SENDs complete receives) each time
-// it is about to wait for the stream: before a read(2) on the socket
-// (when its buffer is empty) and before it waits for a receive to be
+// it is about to wait for the stream: before a read(2) on the socket that
+// may wait (see beforeBlock) and before it waits for a receive to be
 // posted (RNR). Completions that arise elsewhere (a request failing its
 // local checks at post, the flushes of a broken connection) are delivered
-// by the goroutine that flushes the connection once the reader and writer
-// are gone, and those queued before HandleCompletions by a goroutine of
-// their own: never by a caller of PostSend, PostRecv, Close or
-// HandleCompletions. While fn runs, the reader executes nothing of the
-// peer's.
+// by the reader if it is delivering then, else by the goroutine that
+// flushes the connection once the reader and writer are gone, and those
+// queued before HandleCompletions by a goroutine of their own: never by a
+// caller of PostSend, PostRecv, Close or HandleCompletions. While fn
+// runs, the reader executes nothing of the peer's: fn must not block.
+// Requests posted while the reader is in fn are written when it returns.
 func (c *conn) HandleCompletions(fn func(cs []transport.Completion, err error)) {
 	if fn == nil {
 		panic("tcp: HandleCompletions with a nil function")
