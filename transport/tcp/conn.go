@@ -38,9 +38,9 @@ const (
 const writeBatch = 64
 
 // inlineMax bounds the payload bytes a poster or the reader writes in its
-// non-blocking attempt: larger output is left to the writer goroutine,
-// whose wakeup costs little next to the copy, and which makes it while
-// the reader goes on reading.
+// non-blocking attempt: when more is queued, all of it is left to the
+// writer goroutine, whose wakeup costs little next to the copy, which
+// makes it while the reader goes on reading, and in one batch.
 const inlineMax = 64 << 10
 
 // directReadMin is the smallest payload remainder read from the socket
@@ -168,6 +168,7 @@ type conn struct {
 	rr         []readResp // ring: [rrHead, rrTail)
 	rrHead     uint64
 	rrTail     uint64
+	rrBytes    int    // payload bytes of the responses in rr
 	ackOut     uint64 // cumulative ACK to send
 	ackSent    uint64
 	nakPending bool
@@ -186,14 +187,18 @@ type conn struct {
 	// not finish; only the writer goroutine goes on with it.
 	writing bool
 	wleft   bool
-	wh      [writeBatch]header
-	wbufs   [][]byte
-	wnb     net.Buffers
-	wwins   []*window // windows of the READ responses in wnb
-	iov     []unix.Iovec
-	rawFn   func(fd uintptr) bool // c.rawWritev, made once
-	rawN    int
-	rawErr  syscall.Errno
+	// writerWoken: the writer goroutine was signaled and has not yet
+	// taken the stream or gone back to waiting; attempts leave the
+	// output to it.
+	writerWoken bool
+	wh          [writeBatch]header
+	wbufs       [][]byte
+	wnb         net.Buffers
+	wwins       []*window // windows of the READ responses in wnb
+	iov         []unix.Iovec
+	rawFn       func(fd uintptr) bool // c.rawWritev, made once
+	rawN        int
+	rawErr      syscall.Errno
 
 	wg sync.WaitGroup
 }
@@ -257,6 +262,7 @@ func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRe
 	// The reader reads through sr, which first hands out what the
 	// handshake's reader had buffered past the handshake.
 	c.sr = &sockReader{c: c}
+	c.sr.fn = c.sr.rawRead
 	if n := br.Buffered(); n > 0 {
 		pre, _ := br.Peek(n)
 		c.sr.pre = bytes.Clone(pre)
@@ -807,7 +813,7 @@ func (c *conn) dropOutputLocked() {
 		r.win.release()
 		r.data, r.win = nil, nil
 	}
-	c.rrHead, c.rrTail = 0, 0
+	c.rrHead, c.rrTail, c.rrBytes = 0, 0, 0
 	if !c.writing {
 		c.releaseBatchLocked()
 	}
@@ -817,15 +823,16 @@ func (c *conn) dropOutputLocked() {
 // on: see transport.CompletionHandler. The reader goroutine calls fn with
 // the completions it produced (ACKs complete SENDs and WRITEs, READ
 // responses complete READs, the peer's SENDs complete receives) each time
-// it is about to wait for the stream: before a read(2) on the socket
-// (when its buffer is empty) and before it waits for a receive to be
+// it is about to wait for the stream: before a read(2) on the socket that
+// may wait (see beforeBlock) and before it waits for a receive to be
 // posted (RNR). Completions that arise elsewhere (a request failing its
 // local checks at post, the flushes of a broken connection) are delivered
-// by the goroutine that flushes the connection once the reader and writer
-// are gone, and those queued before HandleCompletions by a goroutine of
-// their own: never by a caller of PostSend, PostRecv, Close or
-// HandleCompletions. While fn runs, the reader executes nothing of the
-// peer's.
+// by the reader if it is delivering then, else by the goroutine that
+// flushes the connection once the reader and writer are gone, and those
+// queued before HandleCompletions by a goroutine of their own: never by a
+// caller of PostSend, PostRecv, Close or HandleCompletions. While fn
+// runs, the reader executes nothing of the peer's: fn must not block.
+// Requests posted while the reader is in fn are written when it returns.
 func (c *conn) HandleCompletions(fn func(cs []transport.Completion, err error)) {
 	if fn == nil {
 		panic("tcp: HandleCompletions with a nil function")

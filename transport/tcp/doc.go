@@ -32,10 +32,11 @@
 //
 // Requests are numbered in send-queue order (the seq field, like PSNs) and
 // executed in that order by the peer, which acknowledges them cumulatively:
-// one ACK each time it is about to wait for more input, not one per
-// request; a READ response acknowledges its READ and what came before,
-// so no ACK follows one that says no more. A SEND, WRITE or WRITE WITH
-// IMMEDIATE completes when acknowledged, a READ when its data is placed;
+// one ACK each time it is about to wait for more input (it has read all
+// the stream had), not one per request; a READ response acknowledges its
+// READ and what came before, so no ACK follows one that says no more. A
+// SEND, WRITE or WRITE WITH IMMEDIATE completes when acknowledged, a READ
+// when its data is placed;
 // completions of the send queue come in send-queue order. At most
 // Limits().MaxReadsInFlight READs are outstanding (the smaller of both
 // sides' Options.MaxReadsInFlight); later ones are held back, in order,
@@ -88,15 +89,20 @@
 //     reader writes them when the handler returns, in one writev with the
 //     ACK.
 //   - The reader makes the same attempt, never waiting for the socket
-//     either, each time it is about to wait for input: before each
-//     read(2) (its buffer is empty) and before waiting for a receive to
-//     be posted (RNR). That is where it queues the cumulative ACK for
-//     what it executed, and it writes the READ responses, the ACK and a
-//     NAK it queued, with whatever requests are ready.
-//   - An attempt takes at most 64 KiB of payload (past the first frame),
-//     and none if the first frame alone is larger: copying that would
-//     hold up the caller, and the writer goroutine does it while the
-//     reader goes on reading.
+//     either, each time it is about to wait for input: before a read(2)
+//     that may wait (its buffer is empty; after a read that filled the
+//     buffer, if it has something to do before waiting, it first tries a
+//     non-blocking read, and goes on if that finds data) and before
+//     waiting for a receive to be posted (RNR). That is where it queues
+//     the cumulative ACK for what it executed, and it writes the READ
+//     responses, the ACK and a NAK it queued, with whatever requests are
+//     ready. A READ response is handed to the writer goroutine at once
+//     when more frames are buffered behind its request, or more than
+//     64 KiB of responses are queued.
+//   - An attempt is made only when the writer goroutine is idle (not
+//     writing, not woken) and all that is queued fits one batch with at
+//     most 64 KiB of payload; otherwise the writer goroutine writes it
+//     all, in one batch, while the reader goes on reading.
 //   - What an attempt does not write (the socket buffer is full, the
 //     budget, or output queued while the token was busy) is left to the
 //     writer goroutine, woken for it, which finishes an unfinished batch
@@ -122,8 +128,9 @@
 // With a completion handler:
 //
 //   - the reader calls fn with what it completed at the same points where
-//     it writes, before it waits: before each read(2), and before it
-//     waits for a receive (fn may post the receive the SEND waits for).
+//     it writes, before it waits: before a read(2) that may wait, and
+//     before it waits for a receive (fn may post the receive the SEND
+//     waits for).
 //     It first writes what something may be waiting for (READ responses,
 //     whose windows an Invalidate waits for; a NAK; requests ready to go),
 //     then calls fn, then writes the ACK, which a request fn posted has

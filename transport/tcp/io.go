@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"time"
 	"unsafe"
@@ -46,8 +45,15 @@ func (c *conn) readLoop() {
 // before each read(2). Payloads read straight into their destination go
 // through it as well.
 type sockReader struct {
-	c   *conn
-	pre []byte
+	c      *conn
+	pre    []byte
+	full   bool // the last read filled the read buffer
+	direct bool // a payload is read straight into its destination
+
+	fn    func(fd uintptr) bool // rawRead, made once
+	buf   []byte
+	n     int
+	errno unix.Errno
 }
 
 func (r *sockReader) Read(p []byte) (int, error) {
@@ -56,16 +62,53 @@ func (r *sockReader) Read(p []byte) (int, error) {
 		r.pre = r.pre[n:]
 		return n, nil
 	}
-	if err := r.c.beforeBlock(); err != nil {
+	c := r.c
+	if r.full && !r.direct && c.rc != nil && c.blockWork() {
+		// The last read filled the read buffer: the peer is streaming.
+		// Try for more before acknowledging: the ACK (and the handler)
+		// wait until the socket is empty, one per stream rather than
+		// one per buffer. (Not within a payload read straight into
+		// memory: it pauses often, and each pause would cost a read.)
+		r.buf, r.n, r.errno = p, 0, 0
+		if err := c.rc.Read(r.fn); err == nil && r.errno == 0 && r.n > 0 {
+			r.full = r.n == len(p) && r.n >= readBufferSize
+			r.buf = nil
+			return r.n, nil
+		}
+		r.buf = nil
+	}
+	if err := c.beforeBlock(); err != nil {
 		return 0, err
 	}
-	return r.c.nc.Read(p)
+	n, err := c.nc.Read(p)
+	r.full = !r.direct && n == len(p) && n >= readBufferSize
+	return n, err
+}
+
+// rawRead is the function of syscall.RawConn.Read: one read, returning
+// true so that Read never waits for the socket to be readable.
+func (r *sockReader) rawRead(fd uintptr) bool {
+	for {
+		n, err := unix.Read(int(fd), r.buf)
+		if err == unix.EINTR {
+			continue
+		}
+		r.n = n
+		if e, ok := err.(unix.Errno); ok {
+			r.errno = e
+		} else if err != nil {
+			r.errno = unix.EIO
+		}
+		return true
+	}
 }
 
 // beforeBlock runs on the reader goroutine each time it may wait: before
-// a read(2) on the socket (nothing is buffered), and before it waits for
-// a receive to be posted. It acknowledges what was executed (one
-// cumulative ACK per batch of requests, not one per request), calls the
+// a read(2) on the socket that may wait (nothing is buffered, and the
+// last read did not fill the buffer or a non-blocking try found the
+// socket empty), and before it waits for a receive to be posted. It
+// acknowledges what was executed (one cumulative ACK each time the peer
+// stops sending, not one per request), calls the
 // completion handler with what completed, and writes the output queued,
 // if the stream is free, in one non-blocking attempt; the rest goes to
 // the writer goroutine. Output that something may wait for (READ
@@ -91,6 +134,16 @@ func (c *conn) beforeBlock() error {
 		return errStopped
 	}
 	return nil
+}
+
+// blockWork reports whether beforeBlock has work to do: an ACK, the
+// handler's completions or output to write.
+func (c *conn) blockWork() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.state == stateOpen && c.rseq > c.ackOut ||
+		c.handler != nil && c.cqHead < c.cqTail ||
+		!c.writing && !c.writerWoken && c.hasOutputLocked()
 }
 
 func (c *conn) serve() error {
@@ -220,9 +273,16 @@ func (c *conn) execute(h *header) (transport.Status, error) {
 		}
 		// The window stays in use until the writer sent the data (an
 		// Invalidate waits for that), or finalize dropped the response.
-		// It is written at the next beforeBlock, with what else is queued.
+		// It is written at the next beforeBlock, with what else is queued,
+		// unless more frames are buffered (a batch of requests is coming)
+		// or more is queued than one attempt takes: the writer goroutine
+		// starts on it then, while the reader goes on.
 		c.rr[c.rrTail%uint64(len(c.rr))] = readResp{seq: h.seq(), data: src, win: w}
 		c.rrTail++
+		c.rrBytes += len(src)
+		if c.rrBytes > inlineMax || c.br.Buffered() > 0 {
+			c.kickWriterLocked()
+		}
 	}
 	return transport.StatusSuccess, nil
 }
@@ -237,7 +297,9 @@ func (c *conn) readPayload(dst []byte) error {
 	}
 	var err error
 	if len(dst)-n >= directReadMin {
+		c.sr.direct = true
 		_, err = io.ReadFull(c.sr, dst[n:])
+		c.sr.direct = false
 	} else {
 		_, err = io.ReadFull(c.br, dst[n:])
 	}
@@ -392,6 +454,7 @@ func (c *conn) writeLoop() {
 				c.mu.Lock()
 				return
 			}
+			c.writerWoken = false
 			c.writerCond.Wait()
 		}
 		if c.state == stateBroken {
@@ -401,10 +464,11 @@ func (c *conn) writeLoop() {
 			return
 		}
 		c.writing = true
+		c.writerWoken = false
 		if c.wleft {
 			c.wleft = false
 		} else {
-			c.collectLocked(math.MaxInt)
+			c.collectLocked()
 		}
 		c.mu.Unlock()
 		_, err := c.wnb.WriteTo(c.nc)
@@ -419,15 +483,19 @@ func (c *conn) writeLoop() {
 	}
 }
 
-// flushLocked writes the output queued, if any, when the stream is free:
-// one non-blocking writev (mu released during it). What it could not
-// write, and what was queued meanwhile, is left to the writer goroutine,
-// which is woken for it. Without a SyscallConn, or when the writer
-// goroutine has a batch to finish, it only wakes the writer. A poster and
-// the reader call it: neither blocks on the socket.
+// flushLocked writes the output queued, if any, when the stream is free
+// and the writer goroutine idle: one non-blocking writev (mu released
+// during it). What it could not write, and what was queued meanwhile, is
+// left to the writer goroutine, which is woken for it. Without a
+// SyscallConn, or when the writer goroutine has a batch to finish, it
+// only wakes the writer. A poster and the reader call it: neither blocks
+// on the socket.
 func (c *conn) flushLocked() {
 	if c.writing || c.state == stateBroken {
 		return // the holder of the stream looks for more output when done
+	}
+	if c.writerWoken {
+		return // the writer goroutine is on its way: it takes it all
 	}
 	if c.wleft || c.rc == nil {
 		c.kickWriterLocked()
@@ -436,14 +504,15 @@ func (c *conn) flushLocked() {
 	if !c.hasOutputLocked() {
 		return
 	}
-	if c.firstPayloadLocked() > inlineMax {
-		// Copying it would hold up the caller: the writer goroutine
-		// does it while the reader goes on reading.
+	if !c.outputFitsLocked(inlineMax) {
+		// Copying it would hold up the caller, and the batch would be
+		// split: the writer goroutine writes it all, while the reader
+		// goes on reading.
 		c.kickWriterLocked()
 		return
 	}
 	c.writing = true
-	c.collectLocked(inlineMax)
+	c.collectLocked()
 	c.mu.Unlock()
 	n, err := c.writeNonblocking()
 	c.mu.Lock()
@@ -464,31 +533,47 @@ func (c *conn) flushLocked() {
 		c.wleft = false
 	}
 	if c.wleft || c.hasOutputLocked() || c.state == stateDraining {
+		c.writerWoken = true
 		c.writerCond.Signal()
 	}
 	c.quietCond.Broadcast()
 }
 
-// firstPayloadLocked is the payload length of the first frame
-// collectLocked would take.
-func (c *conn) firstPayloadLocked() int {
-	switch {
-	case c.rrHead < c.rrTail:
-		return len(c.rr[c.rrHead%uint64(len(c.rr))].data)
-	case c.ackOut > c.ackSent || c.nakPending || !c.canTransmitLocked():
-		return 0
+// outputFitsLocked reports whether the output queued takes one batch of
+// collectLocked with at most budget bytes of payload.
+func (c *conn) outputFitsLocked(budget int) bool {
+	budget -= c.rrBytes
+	frames := int(c.rrTail - c.rrHead)
+	if c.ackOut > c.ackSent {
+		frames++
 	}
-	e := &c.sq[c.sqTx%uint64(len(c.sq))]
-	if e.op == transport.OpRead {
-		return 0
+	if c.nakPending {
+		frames++
 	}
-	return len(e.buf)
+	reads := c.readsInFlight
+	for i := c.sqTx; i < c.sqTail && frames <= writeBatch && budget >= 0; i++ {
+		e := &c.sq[i%uint64(len(c.sq))]
+		if e.fail != transport.StatusSuccess {
+			break
+		}
+		if e.op == transport.OpRead {
+			if reads >= c.limits.MaxReadsInFlight {
+				break
+			}
+			reads++
+		} else {
+			budget -= len(e.buf)
+		}
+		frames++
+	}
+	return budget >= 0 && frames <= writeBatch
 }
 
 // kickWriterLocked wakes the writer goroutine for output queued, unless
 // the stream is taken: its holder looks for more output when done.
 func (c *conn) kickWriterLocked() {
 	if !c.writing && (c.wleft || c.hasOutputLocked()) {
+		c.writerWoken = true
 		c.writerCond.Signal()
 	}
 }
@@ -580,9 +665,9 @@ func (c *conn) hasOutputLocked() bool {
 	return c.rrHead < c.rrTail || c.ackOut > c.ackSent || c.nakPending || c.canTransmitLocked()
 }
 
-// collectLocked builds the next batch of frames into c.wbufs and c.wnb:
-// at most writeBatch frames and, past the first, budget bytes of payload.
-func (c *conn) collectLocked(budget int) {
+// collectLocked builds the next batch of frames, at most writeBatch, into
+// c.wbufs and c.wnb.
+func (c *conn) collectLocked() {
 	c.wbufs = c.wbufs[:0]
 	n := 0
 	frame := func(data []byte) {
@@ -590,14 +675,10 @@ func (c *conn) collectLocked(budget int) {
 		if len(data) > 0 {
 			c.wbufs = append(c.wbufs, data)
 		}
-		budget -= len(data)
 		n++
 	}
 	for c.rrHead < c.rrTail && n < writeBatch {
 		r := &c.rr[c.rrHead%uint64(len(c.rr))]
-		if n > 0 && len(r.data) > budget {
-			break
-		}
 		c.wh[n].put(frameReadResp, 0, uint32(len(r.data)), r.seq, 0, 0, 0)
 		frame(r.data)
 		// The peer takes it for an ACK of r.seq as well.
@@ -605,6 +686,7 @@ func (c *conn) collectLocked(budget int) {
 		if r.win != nil {
 			c.wwins = append(c.wwins, r.win)
 		}
+		c.rrBytes -= len(r.data)
 		r.data, r.win = nil, nil
 		c.rrHead++
 	}
@@ -625,9 +707,6 @@ func (c *conn) collectLocked(budget int) {
 	size := uint64(len(c.sq))
 	for n < writeBatch && c.canTransmitLocked() {
 		e := &c.sq[c.sqTx%size]
-		if n > 0 && e.op != transport.OpRead && len(e.buf) > budget {
-			break
-		}
 		seq := c.sqTx + 1
 		switch e.op {
 		case transport.OpSend:
