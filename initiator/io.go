@@ -175,11 +175,12 @@ func (v *Volume) WriteAt(ctx context.Context, nb *blockdev.Buffer, off uint64, f
 	return v.io(ctx, nb.Priv.(*ioBuf), off, true, fua)
 }
 
-// retry runs op on the current session until it succeeds, fails for a
-// reason other than a lost connection, or no session comes back.
-func (v *Volume) retry(ctx context.Context, what string, op func(*session) error) error {
+// retry runs op on the queue of off of the current session until it
+// succeeds, fails for a reason other than a lost connection, or no session
+// comes back.
+func (v *Volume) retry(ctx context.Context, what string, off uint64, op func(*session) error) error {
 	for {
-		s, err := v.current(ctx)
+		s, err := v.current(ctx, off)
 		if err != nil {
 			v.m.errors.WithLabelValues(what).Inc()
 			return v.mapErr(fmt.Errorf("%s: %w", what, err))
@@ -210,7 +211,7 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 		op = "write"
 	}
 	v.plan(b, off, n)
-	err := v.retry(ctx, op, func(s *session) error {
+	err := v.retry(ctx, op, off, func(s *session) error {
 		if s.tryAcquire(b, b.idxs, write) {
 			// The usual case: every chunk is granted; one chain of work
 			// requests does the whole request.
@@ -308,11 +309,11 @@ func (v *Volume) mapErr(err error) error {
 	return fmt.Errorf("%w: %w", code, err)
 }
 
-// control sends a request whose reply is OK, again after a reconnection,
-// waiting at most timeout for each reply.
-func (v *Volume) control(ctx context.Context, op string, timeout time.Duration, mk func(s *session) protocol.Message) error {
+// control sends a request whose reply is OK on the queue of off, again
+// after a reconnection, waiting at most timeout for each reply.
+func (v *Volume) control(ctx context.Context, op string, off uint64, timeout time.Duration, mk func(s *session) protocol.Message) error {
 	start := time.Now()
-	err := v.retry(ctx, op, func(s *session) error {
+	err := v.retry(ctx, op, off, func(s *session) error {
 		return s.link.RequestWithin(ctx, timeout, mk(s), &protocol.OK{})
 	})
 	v.m.controlSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
@@ -320,12 +321,30 @@ func (v *Volume) control(ctx context.Context, op string, timeout time.Duration, 
 }
 
 // Flush returns once every write completed before it is durable on the
-// target. After a lost connection with writes not yet flushed it fails
-// once with EIO (ErrLostWrites).
+// target: it flushes every queue, again after a reconnection. After a lost
+// connection with writes not yet flushed it fails once with EIO
+// (ErrLostWrites).
 func (v *Volume) Flush(ctx context.Context) error {
 	writes := v.writes.Load()
-	if err := v.control(ctx, "flush", v.opts.FlushTimeout, (*session).flushMsg); err != nil {
-		return err
+	start := time.Now()
+	var err error
+	for {
+		var set *queueSet
+		set, err = v.currentSet(ctx)
+		if err != nil {
+			break
+		}
+		err = set.flush(ctx, v)
+		v.putSet(set)
+		if err == nil || !errors.Is(err, link.ErrDown) || v.opts.ReconnectTimeout < 0 || ctx.Err() != nil {
+			break
+		}
+		// done again once reconnected
+	}
+	v.m.controlSeconds.WithLabelValues("flush").Observe(time.Since(start).Seconds())
+	if err != nil {
+		v.m.errors.WithLabelValues("flush").Inc()
+		return v.mapErr(fmt.Errorf("flush: %w", err))
 	}
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -350,7 +369,7 @@ func (v *Volume) Trim(ctx context.Context, off, n uint64, fua bool) error {
 	if fua {
 		flags = protocol.FlagFUA
 	}
-	return v.control(ctx, "trim", v.opts.IOTimeout, func(s *session) protocol.Message {
+	return v.control(ctx, "trim", off, v.opts.IOTimeout, func(s *session) protocol.Message {
 		return &protocol.Trim{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }
@@ -370,7 +389,7 @@ func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua boo
 	if noHole {
 		flags |= protocol.FlagNoHole
 	}
-	return v.control(ctx, "write_zeroes", v.opts.IOTimeout, func(s *session) protocol.Message {
+	return v.control(ctx, "write_zeroes", off, v.opts.IOTimeout, func(s *session) protocol.Message {
 		return &protocol.WriteZeroes{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }

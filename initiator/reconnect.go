@@ -12,28 +12,42 @@ import (
 	"github.com/rblk/rblk/protocol"
 )
 
-// supervise waits for the session to go down and reconnects.
-func (v *Volume) supervise(s *session) {
+// supervise waits for the session to go down (any of its queues) and
+// reconnects them all.
+func (v *Volume) supervise(set *queueSet) {
 	defer close(v.superDone)
 	for {
 		select {
 		case <-v.stop:
 			return
-		case <-s.link.Done():
+		case <-set.down(v.stop):
 		}
+		select {
+		case <-v.stop:
+			return
+		default:
+		}
+		s := set.qs[0]
 		v.mu.Lock()
-		v.sess = nil
+		v.set = nil
 		unflushed := v.writes.Load() > v.flushedAt
 		v.mu.Unlock()
 		v.m.sessions.Set(0)
 		if err := v.Err(); err != nil {
-			s.teardown()
+			set.teardown()
 			return // failed (fenced): no reconnection
 		}
-		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(s.link.Err()))
-		s.teardown()
+		linkErr := s.link.Err()
+		for _, q := range set.qs {
+			if err := q.link.Err(); err != nil {
+				linkErr = err
+				break
+			}
+		}
+		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(linkErr))
+		set.teardown()
 		if v.opts.ReconnectTimeout < 0 {
-			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, s.link.Err()))
+			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, linkErr))
 			return
 		}
 		ns, err := v.reconnect()
@@ -46,12 +60,12 @@ func (v *Volume) supervise(s *session) {
 		// lost): nothing acknowledged is lost. Another process (a
 		// restart) may have lost what was not flushed. Without a host ID
 		// the old session may outlive the reconnect, so no such promise.
-		sameTarget := ns.info.Instance == s.info.Instance && v.opts.HostID != ""
+		sameTarget := ns.qs[0].info.Instance == s.info.Instance && v.opts.HostID != ""
 		v.mu.Lock()
 		if unflushed && !sameTarget {
 			v.lost = true
 		}
-		v.sess = ns
+		v.set = ns
 		close(v.changed)
 		v.changed = make(chan struct{})
 		v.mu.Unlock()
@@ -59,17 +73,17 @@ func (v *Volume) supervise(s *session) {
 		v.m.reconnects.Inc()
 		if unflushed && !sameTarget {
 			v.log.Warn("reconnected to another target instance: writes since the last flush may be lost; the next flush reports it",
-				zap.String("target", v.opts.Target), zap.String("export", v.opts.Export))
+				zap.String("target", v.opts.Target), zap.String("export", v.opts.Export), zap.Int("queues", len(ns.qs)))
 		} else {
 			v.log.Info("reconnected", zap.String("target", v.opts.Target), zap.String("export", v.opts.Export),
-				zap.Bool("same_target_instance", sameTarget))
+				zap.Bool("same_target_instance", sameTarget), zap.Int("queues", len(ns.qs)))
 		}
-		s = ns
+		set = ns
 	}
 }
 
 // reconnect dials until it succeeds, the timeout passes or the volume closes.
-func (v *Volume) reconnect() (*session, error) {
+func (v *Volume) reconnect() (*queueSet, error) {
 	deadline := time.Now().Add(v.opts.ReconnectTimeout)
 	wait := 50 * time.Millisecond
 	var lastErr error
@@ -83,10 +97,12 @@ func (v *Volume) reconnect() (*session, error) {
 			}
 		}()
 		s, err := v.connect(ctx, false)
-		cancel()
 		if err == nil {
-			return s, nil
+			set := v.join(ctx, s)
+			cancel()
+			return set, nil
 		}
+		cancel()
 		if errors.Is(err, auth.ErrFailed) || errors.Is(err, protocol.ErrAccess) {
 			// Trying again would not change the answer.
 			return nil, fmt.Errorf("reconnect to %s: %w", v.opts.Target, err)
@@ -130,16 +146,16 @@ func (v *Volume) fail(err error) {
 	}
 }
 
-// current returns the session to do IO on, waiting while reconnecting.
-// The caller calls put when it no longer uses it.
-func (v *Volume) current(ctx context.Context) (*session, error) {
+// current returns the queue to do IO at off on, waiting while
+// reconnecting. The caller calls put when it no longer uses it.
+func (v *Volume) current(ctx context.Context, off uint64) (*session, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for {
 		if v.failed != nil {
 			return nil, v.failed
 		}
-		if s := v.sess; s != nil && !s.draining && s.link.Err() == nil {
+		if s := v.queueFor(off); s != nil && !s.draining && s.link.Err() == nil {
 			s.inflight++
 			return s, nil
 		}
@@ -158,11 +174,49 @@ func (v *Volume) current(ctx context.Context) (*session, error) {
 	}
 }
 
+// currentSet returns every queue of the session, waiting while
+// reconnecting; the caller calls putSet when it no longer uses them.
+func (v *Volume) currentSet(ctx context.Context) (*queueSet, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for {
+		if v.failed != nil {
+			return nil, v.failed
+		}
+		if set := v.set; set != nil && set.usable() {
+			for _, s := range set.qs {
+				s.inflight++
+			}
+			return set, nil
+		}
+		ch := v.changed
+		v.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			v.mu.Lock()
+			return nil, ctx.Err()
+		}
+		v.mu.Lock()
+	}
+}
+
 func (v *Volume) put(s *session) {
 	v.mu.Lock()
 	s.inflight--
 	if s.inflight == 0 && s.draining {
 		v.cond.Broadcast()
+	}
+	v.mu.Unlock()
+}
+
+func (v *Volume) putSet(set *queueSet) {
+	v.mu.Lock()
+	for _, s := range set.qs {
+		s.inflight--
+		if s.inflight == 0 && s.draining {
+			v.cond.Broadcast()
+		}
 	}
 	v.mu.Unlock()
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -26,8 +27,9 @@ type session struct {
 	grants grantTable     // guarded by v.mu
 	wg     sync.WaitGroup // revoke and drain goroutines
 
-	inflight int  // operations using the session (v.mu)
-	draining bool // the target is shutting down: no new operations (v.mu)
+	set      atomic.Pointer[queueSet] // the queues of its session, itself among them
+	inflight int                      // operations using the session (v.mu)
+	draining bool                     // the target is shutting down: no new operations (v.mu)
 }
 
 // dialTimeout bounds one connection attempt: a connect request lost on a
@@ -38,6 +40,38 @@ const dialTimeout = 10 * time.Second
 // connect dials the target, authenticates, opens the volume (taking it
 // over from another host if takeover) and registers the IO buffers.
 func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
+	return v.dial(ctx, func(s *session) error {
+		l := s.link
+		mode := protocol.ModeReadWrite
+		if v.opts.ReadOnly {
+			mode = protocol.ModeReadOnly
+		}
+		open := &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}
+		if takeover && mode == protocol.ModeReadWrite {
+			open.Flags = protocol.OpenTakeover
+		}
+		err := l.Request(ctx, open, &s.info)
+		if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
+			// A read-only export: attach it read-only, as a disk with its
+			// write-protect switch on.
+			v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
+			err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
+		}
+		if err != nil {
+			err = fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
+			if errors.Is(err, protocol.ErrBusy) {
+				err = errHeld{err}
+			}
+			return err
+		}
+		return nil
+	})
+}
+
+// dial connects to the target, authenticates, has open open the volume on
+// the connection (filling s.info), checks what the target reports and
+// registers the IO buffers.
+func (v *Volume) dial(ctx context.Context, open func(s *session) error) (*session, error) {
 	s := &session{v: v}
 	dctx, cancel := context.WithTimeout(ctx, min(dialTimeout, v.opts.IOTimeout))
 	l, err := link.Dial(dctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
@@ -51,27 +85,8 @@ func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
 		l.Close()
 		return nil, fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
 	}
-	mode := protocol.ModeReadWrite
-	if v.opts.ReadOnly {
-		mode = protocol.ModeReadOnly
-	}
-	open := &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}
-	if takeover && mode == protocol.ModeReadWrite {
-		open.Flags = protocol.OpenTakeover
-	}
-	err = l.Request(ctx, open, &s.info)
-	if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
-		// A read-only export: attach it read-only, as a disk with its
-		// write-protect switch on.
-		v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
-		err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
-	}
-	if err != nil {
+	if err := open(s); err != nil {
 		l.Close()
-		err = fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
-		if errors.Is(err, protocol.ErrBusy) {
-			err = errHeld{err}
-		}
 		return nil, err
 	}
 	if s.info.ChunkSize == 0 || s.info.VolumeSize == 0 {
@@ -135,38 +150,16 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 			s.protocolError(fmt.Errorf("error notice from target: %w", em.Err()))
 			return
 		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.drain()
-		}()
+		// (every queue gets the notice: the first starts the drain of
+		// them all, which teardown waits for)
+		if set := s.set.Load(); set != nil {
+			go set.drain(s.v)
+		} else {
+			go s.link.Close() // still connecting: tried again
+		}
 	default:
 		s.protocolError(fmt.Errorf("unexpected %v from target: %w", h.Type, protocol.ErrProtocol))
 	}
-}
-
-// drain answers the target's shutdown notice: no new IO starts on the
-// session, IO in flight finishes (and sends its Done), then a flush makes
-// every acknowledged write durable and the connection is closed. IO waits
-// for the reconnection meanwhile, and nothing is reported lost.
-func (s *session) drain() {
-	v := s.v
-	v.log.Info("target is shutting down: finishing IO in flight and flushing", zap.String("target", v.opts.Target))
-	v.mu.Lock()
-	s.draining = true
-	for s.inflight > 0 && s.link.Err() == nil {
-		v.cond.Wait()
-	}
-	v.mu.Unlock()
-	writes := v.writes.Load()
-	if err := s.link.RequestWithin(context.Background(), v.opts.FlushTimeout, s.flushMsg(), &protocol.OK{}); err == nil {
-		v.mu.Lock()
-		v.flushedAt = max(v.flushedAt, writes)
-		v.mu.Unlock()
-	} else {
-		v.log.Warn("flush before the target's shutdown failed", zap.Error(err))
-	}
-	s.link.Close()
 }
 
 func (s *session) protocolError(err error) {

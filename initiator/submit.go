@@ -61,7 +61,7 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 	off, write := b.off, b.write
 	v.plan(b, off, n)
 	v.mu.Lock()
-	s := v.sess
+	s := v.queueFor(off)
 	if v.failed != nil || s == nil || s.draining || s.link.Err() != nil {
 		v.mu.Unlock()
 		return false

@@ -62,6 +62,12 @@ type Options struct {
 	Takeover bool
 	// ReadOnly opens the volume for reading only.
 	ReadOnly bool
+	// Queues is the number of connections to the target, the session's IO
+	// queues (default 1): each has its own completion path and grants, a
+	// request goes to the queue of its first chunk, and a flush goes to
+	// all. They need a HostID; the volume goes on with fewer if the target
+	// takes fewer.
+	Queues int
 	// PoolSize is the registered memory for IO buffers (default
 	// DefaultPoolSize); it bounds the bytes of requests in flight, and must
 	// be at least MaxRequest.
@@ -106,7 +112,7 @@ type Volume struct {
 
 	mu      sync.Mutex
 	cond    *sync.Cond    // signalled when a grant's refs drop to zero
-	sess    *session      // nil while reconnecting
+	set     *queueSet     // the session's queues; nil while reconnecting
 	changed chan struct{} // closed and replaced when sess changes
 	failed  error         // set when the volume gave up or was closed
 	done    chan struct{} // closed with failed
@@ -184,7 +190,8 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 		return nil, err
 	}
 	v.info = s.info
-	v.sess = s
+	set := v.join(ctx, s)
+	v.set = set
 	v.m.sessions.Set(1)
 	transportInfo := opts.Provider.Name()
 	if di, ok := s.link.Conn().(interface{ DeviceInfo() string }); ok {
@@ -193,8 +200,8 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	v.log.Info("volume opened", zap.String("export", opts.Export), zap.String("target", opts.Target),
 		zap.String("transport", transportInfo), zap.Uint64("size", v.info.VolumeSize),
 		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()),
-		zap.String("io_buffers_huge_pages", v.mem.HugePages()))
-	go v.supervise(s)
+		zap.String("io_buffers_huge_pages", v.mem.HugePages()), zap.Int("queues", len(set.qs)))
+	go v.supervise(set)
 	return v, nil
 }
 
@@ -228,16 +235,21 @@ func (v *Volume) Close(ctx context.Context) error {
 	v.closeOnce.Do(func() {
 		var errs []error
 		v.mu.Lock()
-		s, failed := v.sess, v.failed
+		set, failed := v.set, v.failed
 		v.mu.Unlock()
-		if failed == nil && s != nil && s.link.Err() == nil {
+		if failed == nil && set != nil && set.up() {
 			if !v.ReadOnly() {
 				if err := v.Flush(ctx); err != nil {
 					errs = append(errs, err)
 				}
 			}
-			if err := s.link.Request(ctx, &protocol.Close{Handle: s.info.Handle}, &protocol.OK{}); err != nil {
-				errs = append(errs, fmt.Errorf("close volume: %w", err))
+			// The joined queues first: the first connection's Close ends
+			// the session on the target.
+			for i := len(set.qs) - 1; i >= 0; i-- {
+				s := set.qs[i]
+				if err := s.link.Request(ctx, &protocol.Close{Handle: s.info.Handle}, &protocol.OK{}); err != nil {
+					errs = append(errs, fmt.Errorf("close volume: %w", err))
+				}
 			}
 		} else if failed != nil {
 			errs = append(errs, failed)
@@ -245,11 +257,11 @@ func (v *Volume) Close(ctx context.Context) error {
 		close(v.stop)
 		<-v.superDone
 		v.mu.Lock()
-		s = v.sess
-		v.sess = nil
+		set = v.set
+		v.set = nil
 		v.mu.Unlock()
-		if s != nil {
-			s.teardown()
+		if set != nil {
+			set.teardown()
 		}
 		v.fail(ErrClosed)
 		v.mem.Free()

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -43,6 +44,12 @@ func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool, mods
 // startTargetAt starts a target; mods change its options before it starts.
 func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
 	t.Helper()
+	return startTargetOn(t, tcp.New("tcp"), path, addr, size, cache, chunk, ro, mods...)
+}
+
+// startTargetOn starts a target listening with p.
+func startTargetOn(t *testing.T, p transport.Provider, path, addr string, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
+	t.Helper()
 	if ro {
 		if err := os.WriteFile(path, bytes.Repeat([]byte{0x42}, int(size)), 0o600); err != nil {
 			t.Fatal(err)
@@ -58,7 +65,6 @@ func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chu
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := tcp.New("tcp")
 	ctx, cancel := context.WithCancel(context.Background())
 	l, err := p.Listen(ctx, addr)
 	if err != nil {
@@ -121,6 +127,9 @@ func (r *rig) openWith(o initiator.Options) *initiator.Volume {
 	if o.Provider == nil {
 		o.Provider = r.p
 	}
+	if o.Queues == 0 {
+		o.Queues = testQueues
+	}
 	o.Target, o.Export = r.addr, "vol"
 	v, err := initiator.Open(ctx, o)
 	if err != nil {
@@ -163,7 +172,22 @@ func read(t *testing.T, v *initiator.Volume, off uint64, n int) ([]byte, error) 
 	return out, nil
 }
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// testQueues is the queues of the volumes the tests open (unless a test
+// chooses): RBLK_TEST_QUEUES, default 1. The test command runs the
+// package's tests again with several.
+var testQueues = 1
+
+func TestMain(m *testing.M) {
+	if q := os.Getenv("RBLK_TEST_QUEUES"); q != "" {
+		n, err := strconv.Atoi(q)
+		if err != nil || n < 1 {
+			fmt.Fprintf(os.Stderr, "RBLK_TEST_QUEUES=%q: want a number of queues\n", q)
+			os.Exit(2)
+		}
+		testQueues = n
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // TestRandomIOAgainstModel runs concurrent random reads, writes, trims and
 // write-zeroes over a volume four times the cache, checks every read

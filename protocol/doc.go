@@ -77,6 +77,18 @@
 //     reconnecting initiator of the same host ID and export gets a higher
 //     one than its earlier sessions. Done and Flush carry the session's
 //     generation and a stale one is refused with CodeStale.
+//   - Join adds another connection to an open session, as one more IO
+//     queue: after its own AuthStart (as the same host), the connection
+//     sends Join with the export, the host ID and the session's generation,
+//     and VolumeInfo gives it a handle of its own and the same generation.
+//     Grants, Done, Flush and Revoke are per connection, as on the first
+//     one; the generation, and fencing, are the session's: a later Open of
+//     the host ID fences every connection of the session, and a Join of a
+//     generation that is not the host's current one is refused with
+//     CodeStale. Anonymous sessions have no queues. An initiator that needs
+//     every write it completed durable sends Flush on every connection of
+//     the session (a Done on one connection is not ordered with a Flush on
+//     another).
 //   - GrantRequest asks, on demand, for the chunk that holds an offset; Grant
 //     gives the chunk's start, its registered memory (Addr, RKey, Length) and
 //     a Generation that tells this grant from earlier and later ones of the
@@ -135,6 +147,7 @@
 //	request        sent by     reply (or Error)
 //	ListExports    initiator   ExportList
 //	Open           initiator   VolumeInfo
+//	Join           initiator   VolumeInfo
 //	GrantRequest   initiator   Grant
 //	Done           initiator   none, or OK with DoneFUA
 //	Flush          initiator   OK
@@ -297,6 +310,19 @@
 //	  +-------+-------+---------------+---------------+---------------+
 //	8 | name (name len bytes), then host ID (host ID len bytes)       ~
 //	  +---------------------------------------------------------------+
+//
+// Join (23), 16 bytes, the name and the host ID (1 to MaxNameLen bytes:
+// never anonymous). Mode as in Open; flags reserved; the session
+// generation is VolumeInfo's of the session's Open.
+//
+//	     0       1       2       3       4       5       6       7
+//	   +-------+-------+---------------+---------------+---------------+
+//	 0 | mode  | flags |   name len    |  host ID len  |   reserved    |
+//	   +-------+-------+---------------+---------------+---------------+
+//	 8 |                      session generation                       |
+//	   +---------------------------------------------------------------+
+//	16 | name (name len bytes), then host ID (host ID len bytes)       ~
+//	   +---------------------------------------------------------------+
 //
 // VolumeInfo (6), 40 bytes, the reply to Open. Flags are VolumeFlags.
 // Generation is the session's, never 0. Instance names the target process

@@ -185,6 +185,7 @@ func FuzzFlush(f *testing.F)         { fuzzPayload(f, protocol.TypeFlush) }
 func FuzzClose(f *testing.F)         { fuzzPayload(f, protocol.TypeClose) }
 func FuzzTrim(f *testing.F)          { fuzzPayload(f, protocol.TypeTrim) }
 func FuzzWriteZeroes(f *testing.F)   { fuzzPayload(f, protocol.TypeWriteZeroes) }
+func FuzzJoin(f *testing.F)          { fuzzPayload(f, protocol.TypeJoin) }
 
 type negotiateSeed struct {
 	lmin, lmax, pmin, pmax uint8
@@ -271,7 +272,7 @@ func seedCorpus() map[string][]byte {
 		"FuzzFlush": protocol.TypeFlush, "FuzzClose": protocol.TypeClose,
 		"FuzzTrim": protocol.TypeTrim, "FuzzWriteZeroes": protocol.TypeWriteZeroes,
 		"FuzzAuthStart": protocol.TypeAuthStart, "FuzzAuthChallenge": protocol.TypeAuthChallenge,
-		"FuzzAuthResponse": protocol.TypeAuthResponse,
+		"FuzzAuthResponse": protocol.TypeAuthResponse, "FuzzJoin": protocol.TypeJoin,
 	} {
 		add(fuzz, payloadSeeds(typ))
 	}

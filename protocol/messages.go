@@ -17,6 +17,7 @@ const (
 	exportListFixed  = 2
 	exportEntryFixed = 1 + 8 + 4
 	openFixedSize    = 8
+	joinFixedSize    = 16
 	volumeInfoSize   = 40
 	grantRequestSize = 16
 	grantSize        = 40
@@ -538,6 +539,86 @@ func (m *Open) validate() error {
 		return err
 	}
 	return checkHostID(m.HostID)
+}
+
+// Join adds the connection it is sent on to an open session of the same
+// host ID as one more IO queue (as nvme-rdma's IO queues beside its admin
+// queue); the reply is VolumeInfo, with a handle of this connection and the
+// session's generation. The session is the current one of HostID and the
+// export Name whose VolumeInfo gave Generation: a Join of any other
+// generation is refused with CodeStale, and a Join is never anonymous. The
+// joined connection is fenced with its session: when a later Open of the
+// host ID fences the session, every connection that joined it is fenced
+// too. Mode is the session's. Flags are reserved.
+type Join struct {
+	Mode       Mode
+	Name       string
+	HostID     string
+	Generation uint64
+}
+
+func (m *Join) Type() Type { return TypeJoin }
+func (m *Join) Size() int  { return joinFixedSize + len(m.Name) + len(m.HostID) }
+
+func (m *Join) MarshalTo(b []byte) int {
+	n := m.Size()
+	_ = b[n-1]
+	b[0] = uint8(m.Mode)
+	b[1] = 0
+	be.PutUint16(b[2:], uint16(len(m.Name)))
+	be.PutUint16(b[4:], uint16(len(m.HostID)))
+	be.PutUint16(b[6:], 0)
+	be.PutUint64(b[8:], m.Generation)
+	o := joinFixedSize + copy(b[joinFixedSize:], m.Name)
+	copy(b[o:], m.HostID)
+	return n
+}
+
+func (m *Join) Unmarshal(p []byte) error {
+	if len(p) < joinFixedSize {
+		return truncated(TypeJoin, len(p), joinFixedSize)
+	}
+	if err := checkReserved("flags", uint32(p[1])); err != nil {
+		return decodeErr(TypeJoin, err)
+	}
+	if err := checkReserved("reserved", uint32(be.Uint16(p[6:]))); err != nil {
+		return decodeErr(TypeJoin, err)
+	}
+	n := int(be.Uint16(p[2:]))
+	if n > MaxNameLen {
+		return fmt.Errorf("decode %v: %w: name of %d bytes, more than %d", TypeJoin, ErrBadField, n, MaxNameLen)
+	}
+	h := int(be.Uint16(p[4:]))
+	if h > MaxNameLen {
+		return fmt.Errorf("decode %v: %w: host ID of %d bytes, more than %d", TypeJoin, ErrBadField, h, MaxNameLen)
+	}
+	if err := fixedSize(TypeJoin, p, joinFixedSize+n+h); err != nil {
+		return err
+	}
+	m.Mode = Mode(p[0])
+	m.Generation = be.Uint64(p[8:])
+	m.Name = string(p[joinFixedSize : joinFixedSize+n])
+	m.HostID = string(p[joinFixedSize+n:])
+	if err := m.validate(); err != nil {
+		return decodeErr(TypeJoin, err)
+	}
+	return nil
+}
+
+func (m *Join) validate() error {
+	if m.Mode != ModeReadOnly && m.Mode != ModeReadWrite {
+		return fmt.Errorf("%w: mode %d", ErrBadField, m.Mode)
+	}
+	if err := checkName(m.Name); err != nil {
+		return err
+	}
+	if m.HostID == "" {
+		return fmt.Errorf("%w: join without a host ID", ErrBadField)
+	}
+	if err := checkHostID(m.HostID); err != nil {
+		return err
+	}
+	return checkGeneration(m.Generation)
 }
 
 // VolumeInfo is the reply to Open.

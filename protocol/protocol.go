@@ -55,8 +55,9 @@ const (
 	TypeAuthChallenge Type = 20 // AuthChallenge: reply to AuthStart
 	TypeAuthResponse  Type = 21 // AuthResponse: initiator's proof
 	TypeAuthAccept    Type = 22 // AuthAccept: reply to AuthResponse, the target's proof
+	TypeJoin          Type = 23 // Join: initiator adds a connection to its session as an IO queue
 
-	typeMax = TypeAuthAccept
+	typeMax = TypeJoin
 )
 
 var typeNames = [...]string{
@@ -82,6 +83,7 @@ var typeNames = [...]string{
 	TypeAuthChallenge: "AuthChallenge",
 	TypeAuthResponse:  "AuthResponse",
 	TypeAuthAccept:    "AuthAccept",
+	TypeJoin:          "Join",
 }
 
 func (t Type) String() string {
@@ -271,6 +273,8 @@ func New(t Type) (Message, error) {
 		return new(AuthResponse), nil
 	case TypeAuthAccept:
 		return new(AuthAccept), nil
+	case TypeJoin:
+		return new(Join), nil
 	}
 	return nil, fmt.Errorf("%w: %d", ErrUnknownType, uint8(t))
 }

@@ -113,7 +113,10 @@ unit_tests() {
 	# e2e/ has its own step below.
 	pkgs="$(go list ./... | grep -v '/e2e$')" || return 1
 	# shellcheck disable=SC2086
-	go test -race -count=1 -timeout 15m $pkgs
+	go test -race -count=1 -timeout 15m $pkgs || return 1
+	# The initiator's tests again with volumes of 3 queues (connections to
+	# the target), as rblk-attach --device opens them.
+	RBLK_TEST_QUEUES=3 go test -race -count=1 -timeout 15m ./initiator/
 }
 
 # rdma_lint vets and staticchecks the verbs provider, which only builds with

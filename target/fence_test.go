@@ -20,6 +20,12 @@ import (
 // dialAs opens the export as host with a raw client whose handler answers
 // revokes (unless ignoreRevokes), after ackDelay, and tells c.revoked.
 func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*client, error) {
+	return e.dialOpen(host, ignoreRevokes, ackDelay, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol", HostID: host})
+}
+
+// dialOpen is dialAs with the message that opens the volume: an Open, or a
+// Join.
+func (e *env) dialOpen(host string, ignoreRevokes bool, ackDelay time.Duration, open protocol.Message) (*client, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	revoked := make(chan uint64, 64)
@@ -54,7 +60,7 @@ func (e *env) dialAs(host string, ignoreRevokes bool, ackDelay time.Duration) (*
 	if _, err := auth.Initiate(ctx, l, host, nil); err != nil {
 		return nil, err
 	}
-	return c, l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol", HostID: host}, &c.info)
+	return c, l.Request(ctx, open, &c.info)
 }
 
 // writeChunk writes data at off through a fresh grant and reports it with

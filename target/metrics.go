@@ -30,8 +30,8 @@ type Metrics struct {
 
 	// The children of the labelled collectors that requests and write-back
 	// use, resolved once: no label lookup per request.
-	opAuth, opList, opOpen, opGrant, opFlush, opTrim, opWriteZeroes, opClose, opDoneFUA *opMetrics
-	errWriteback, errLoad, errDeregister, errProtocol                                   prometheus.Counter
+	opAuth, opList, opOpen, opJoin, opGrant, opFlush, opTrim, opWriteZeroes, opClose, opDoneFUA *opMetrics
+	errWriteback, errLoad, errDeregister, errProtocol                                           prometheus.Counter
 }
 
 // opMetrics are the children of the per-operation collectors for one
@@ -90,7 +90,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		cacheUsed:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_used_bytes", Help: "Registered cache memory holding chunks."}),
 		cacheBudget:    prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_budget_bytes", Help: "Registered cache memory in all."}),
 	}
-	m.opAuth, m.opList, m.opOpen, m.opGrant = m.newOp("auth"), m.newOp("list"), m.newOp("open"), m.newOp("grant")
+	m.opAuth, m.opList, m.opOpen, m.opJoin, m.opGrant = m.newOp("auth"), m.newOp("list"), m.newOp("open"), m.newOp("join"), m.newOp("grant")
 	m.opFlush, m.opTrim, m.opWriteZeroes, m.opClose = m.newOp("flush"), m.newOp("trim"), m.newOp("write_zeroes"), m.newOp("close")
 	m.opDoneFUA = m.newOp("done_fua")
 	m.errWriteback, m.errLoad = m.errors.WithLabelValues("writeback"), m.errors.WithLabelValues("load")

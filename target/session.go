@@ -22,6 +22,13 @@ type openVol struct {
 	gen      uint64      // the session generation VolumeInfo gave
 	ident    ident       // host ID and export; host "" is anonymous
 	fenced   atomic.Bool // a later session of ident took over
+
+	// Queues (Join): on the session's first openVol, the connections that
+	// joined it, fenced with it; on a joined one, the first. ended: the
+	// session ended or was fenced, no more joins. Guarded by Target.mu.
+	queues  []identEntry
+	primary *openVol
+	ended   bool
 }
 
 // ident is an initiator's identity for one export: reinstatement fences
@@ -191,6 +198,12 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (*opMetrics, error) {
 			s.reply(tag, info)
 		}
 		return om.opOpen, err
+	case *protocol.Join:
+		info, err := s.join(m)
+		if err == nil {
+			s.reply(tag, info)
+		}
+		return om.opJoin, err
 	case *protocol.GrantRequest:
 		return om.opGrant, s.grant(tag, m)
 	case *protocol.Flush:
@@ -286,6 +299,45 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 		zap.Bool("writable", writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !writable {
+		flags = protocol.VolReadOnly | protocol.VolCanFlush
+	}
+	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
+		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}, nil
+}
+
+// join adds the session to the current session of its host ID and the
+// export as an IO queue (protocol.Join): it gets a handle of its own and
+// the session's generation, and is fenced with the session.
+func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
+	host := s.hostID()
+	if m.HostID != host {
+		return nil, fmt.Errorf("join names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
+	}
+	v := s.t.volumes[m.Name]
+	if v == nil {
+		return nil, fmt.Errorf("export %q: %w", m.Name, protocol.ErrNoExport)
+	}
+	if !v.cfg.allows(host) {
+		s.t.m.refused.WithLabelValues("not_allowed").Inc()
+		return nil, fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
+	}
+	ov := &openVol{v: v, writable: m.Mode == protocol.ModeReadWrite, gen: m.Generation, ident: ident{host: host, export: v.name}}
+	if err := s.t.join(s, ov); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.next++
+	h := s.next
+	s.handles[h] = ov
+	if !s.opened {
+		s.opened = true
+		s.t.cache.sessions.Add(1)
+	}
+	s.mu.Unlock()
+	s.log.Info("queue joined", zap.String("export", v.name), zap.String("host_id", host),
+		zap.Bool("writable", ov.writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
+	flags := volFlags(v)
+	if !ov.writable {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
 	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,

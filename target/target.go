@@ -451,10 +451,17 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		return fmt.Errorf("export %q is held read-write by %s (session %d from %s): attach read-only, or take it over (rblk-attach --takeover): %w",
 			ov.ident.export, o.ov.ident.describe(), o.s.id, o.s.peer, protocol.ErrBusy)
 	}
+	// The queues of the sessions fenced here are fenced with them (and
+	// join them no more).
+	var othersQueues, queues []identEntry
 	for _, o := range others {
 		delete(t.idents, o.ov.ident)
+		othersQueues = append(othersQueues, o.ov.endQueues()...)
 	}
 	old, had := t.idents[ov.ident]
+	if had && old.s != s {
+		queues = old.ov.endQueues()
+	}
 	t.idents[ov.ident] = identEntry{s: s, ov: ov}
 	if until, ok := t.penalties[ov.ident.host]; ok && ov.ident.host != "" && until.UnixNano() > s.penaltyEnd.Load() {
 		s.penaltyEnd.Store(until.UnixNano())
@@ -466,6 +473,12 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		o.s.log.Warn("fencing this session: another host takes the export over", zap.String("export", ov.ident.export),
 			zap.String("holder", o.ov.ident.describe()), zap.String("new_holder", ov.ident.describe()), zap.Uint64("new_session", s.id))
 		errs = append(errs, t.fence(ctx, o, fmt.Sprintf("fenced: %s took export %q over on session %d", ov.ident.describe(), ov.ident.export, s.id)))
+	}
+	for _, q := range othersQueues {
+		errs = append(errs, t.fence(ctx, q, fmt.Sprintf("fenced: %s took export %q over on session %d", ov.ident.describe(), ov.ident.export, s.id)))
+	}
+	for _, q := range queues {
+		errs = append(errs, t.fence(ctx, q, fmt.Sprintf("fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)))
 	}
 	if had && old.s != s {
 		old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
@@ -530,13 +543,83 @@ func (t *Target) admitHost(s *session, host string) error {
 	return nil
 }
 
-// forget drops ov's identity when s was its current session.
+// forget drops ov's identity when s was its current session, once the
+// session's queues have ended (closed without a notice: the initiator
+// reconnects them all); a queue leaves its session's list.
 func (t *Target) forget(s *session, ov *openVol) {
 	t.mu.Lock()
-	defer t.mu.Unlock()
+	if p := ov.primary; p != nil {
+		for i, q := range p.queues {
+			if q.ov == ov {
+				p.queues = append(p.queues[:i], p.queues[i+1:]...)
+				break
+			}
+		}
+		t.mu.Unlock()
+		return
+	}
+	e, ok := t.idents[ov.ident]
+	if !ok || e.s != s || e.ov != ov {
+		t.mu.Unlock()
+		return
+	}
+	queues := ov.endQueues()
+	t.mu.Unlock()
+	for _, q := range queues {
+		// Until every queue has ended, the identity stays: an Open of the
+		// host meanwhile fences them too.
+		q.s.log.Info("closing this queue: the first connection of its session ended", zap.Uint64("session_of", s.id))
+		t.endQueue(q)
+	}
+	t.mu.Lock()
 	if e, ok := t.idents[ov.ident]; ok && e.s == s && e.ov == ov {
 		delete(t.idents, ov.ident)
 	}
+	t.mu.Unlock()
+}
+
+// endQueues marks ov's session as ended (no more joins) and returns its
+// queues. t.mu is held.
+func (ov *openVol) endQueues() []identEntry {
+	ov.ended = true
+	q := ov.queues
+	ov.queues = nil
+	return q
+}
+
+// join adds s, with ov, to the current session of ov's identity as an IO
+// queue: ov gets that session's generation checked and is fenced with it.
+func (t *Target) join(s *session, ov *openVol) error {
+	if !ov.writable {
+		// Read-only, as its Open: nothing of it can reach the file, and
+		// read-only sessions are not fenced.
+		return nil
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e, ok := t.idents[ov.ident]
+	switch {
+	case !ok || e.ov.gen != ov.gen || e.ov.ended || e.ov.fenced.Load():
+		return fmt.Errorf("join session generation %d of %s on %q: not the current session: %w", ov.gen, ov.ident.describe(), ov.ident.export, protocol.ErrStale)
+	case e.ov.writable != ov.writable:
+		return fmt.Errorf("join session generation %d of %s on %q: the session is writable=%v, the join %v: %w", ov.gen, ov.ident.describe(), ov.ident.export,
+			e.ov.writable, ov.writable, protocol.ErrInvalid)
+	case e.s == s:
+		return fmt.Errorf("join session generation %d on %q: the connection is that session's own: %w", ov.gen, ov.ident.export, protocol.ErrInvalid)
+	}
+	ov.primary = e.ov
+	e.ov.queues = append(e.ov.queues, identEntry{s: s, ov: ov})
+	return nil
+}
+
+// endQueue ends a queue whose session ended without being fenced: as a
+// fence without the notice (its initiator reconnects rather than stops).
+func (t *Target) endQueue(q identEntry) {
+	q.ov.fenced.Store(true)
+	q.s.markFenced()
+	q.s.dropFencedGrants()
+	q.s.link.Close()
+	<-q.s.ended
 }
 
 // penaltyTime is how long a host dropped for not answering a revoke gets a

@@ -16,6 +16,7 @@ import (
 	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
+	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/transport/providers"
@@ -37,6 +38,7 @@ type attachFlags struct {
 	hostID, hostIDFile, secretFile                           string
 	readOnly, debug, takeover                                bool
 	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
+	queues                                                   int
 	dev                                                      deviceFlags // --device: see device.go
 }
 
@@ -64,6 +66,7 @@ first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
 	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (this or --device)")
 	f.dev.register(fl)
+	fl.IntVar(&f.queues, "queues", 0, "connections to the target, each an IO queue of the session with its own completion path (0: as many as the device's --connections, 1 with --nbd-listen)")
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
 	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
@@ -105,6 +108,10 @@ func listenNBD(spec string) (net.Listener, error) {
 	}
 	return l, nil
 }
+
+// maxQueues bounds --queues: each queue is a connection, with its own
+// receive buffers and registration of the IO buffers on the target.
+const maxQueues = 64
 
 func attach(f attachFlags) error {
 	switch {
@@ -149,6 +156,9 @@ func attach(f attachFlags) error {
 	if err != nil {
 		return err
 	}
+	if f.queues < 0 || f.queues > maxQueues {
+		return fmt.Errorf("--queues %d: want 0 (automatic) to %d", f.queues, maxQueues)
+	}
 	if f.takeover && f.readOnly {
 		return errors.New("--takeover is for read-write attaches: read-only ones are always shared")
 	}
@@ -157,7 +167,17 @@ func attach(f attachFlags) error {
 		keepAlive = -1 // the flag's 0 is "never"; the option's is "default"
 	}
 	octx, ocancel := context.WithTimeout(ctx, 30*time.Second)
-	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID,
+	queues := f.queues
+	if queues == 0 {
+		queues = 1
+		if f.dev.device != "" {
+			queues = f.dev.connections
+			if queues == 0 {
+				queues = kernel.DefaultConnections()
+			}
+		}
+	}
+	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
 		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg)})
 	ocancel()

@@ -1,0 +1,199 @@
+package initiator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/protocol"
+)
+
+// A volume's session may have several connections to the target, its IO
+// queues (Options.Queues): the first opens the volume, the others join its
+// session (protocol.Join) and share its generation, so that the target
+// fences them all together. Each queue has its own grants and its own
+// completion path; a request goes to the queue of its first chunk, so a
+// chunk is granted on one queue only and the queues share the load of
+// random IO. The volume reconnects them all when any of them goes down.
+
+// queueSet is the connections of one session, first the one that opened
+// the volume.
+type queueSet struct {
+	qs []*session
+
+	drainOnce sync.Once
+	draining  chan struct{} // closed when a drain starts
+	drained   chan struct{} // closed when it has ended
+}
+
+func newQueueSet(qs []*session) *queueSet {
+	set := &queueSet{qs: qs, draining: make(chan struct{}), drained: make(chan struct{})}
+	for _, s := range qs {
+		s.set.Store(set)
+	}
+	return set
+}
+
+// join dials the queues after the first, s, and adds them to its session.
+// A queue that cannot join is not fatal: the volume goes on with those it
+// has (an older target refuses Join).
+func (v *Volume) join(ctx context.Context, s *session) *queueSet {
+	qs := []*session{s}
+	want := v.opts.Queues
+	if want > 1 && v.opts.HostID == "" {
+		v.log.Warn("an anonymous volume has one queue: give a host ID for more", zap.Int("queues", want))
+		want = 1
+	}
+	for len(qs) < want {
+		q, err := v.dialQueue(ctx, s)
+		if err != nil {
+			v.log.Warn("the target took fewer queues than asked", zap.Int("queues", len(qs)), zap.Int("asked", want), zap.Error(err))
+			break
+		}
+		qs = append(qs, q)
+	}
+	return newQueueSet(qs)
+}
+
+// dialQueue connects once more and joins the session of first.
+func (v *Volume) dialQueue(ctx context.Context, first *session) (*session, error) {
+	mode := protocol.ModeReadWrite
+	if first.info.Flags&protocol.VolReadOnly != 0 {
+		mode = protocol.ModeReadOnly
+	}
+	return v.dial(ctx, func(s *session) error {
+		err := s.link.Request(ctx, &protocol.Join{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID,
+			Generation: first.info.Generation}, &s.info)
+		if err != nil {
+			return fmt.Errorf("join queue to session generation %d of volume %q on %s: %w", first.info.Generation, v.opts.Export, v.opts.Target, err)
+		}
+		if s.info.Generation != first.info.Generation || s.info.VolumeSize != first.info.VolumeSize || s.info.ChunkSize != first.info.ChunkSize {
+			return fmt.Errorf("join queue to volume %q: target reports generation %d, size %d, chunk size %d, the session has %d, %d, %d: %w",
+				v.opts.Export, s.info.Generation, s.info.VolumeSize, s.info.ChunkSize,
+				first.info.Generation, first.info.VolumeSize, first.info.ChunkSize, protocol.ErrProtocol)
+		}
+		return nil
+	})
+}
+
+// down is closed when the link of any queue of the set goes down (or stop
+// is closed).
+func (set *queueSet) down(stop <-chan struct{}) <-chan struct{} {
+	ch := make(chan struct{})
+	var once sync.Once
+	for _, s := range set.qs {
+		go func() {
+			select {
+			case <-s.link.Done():
+				once.Do(func() { close(ch) })
+			case <-stop:
+			case <-ch:
+			}
+		}()
+	}
+	return ch
+}
+
+// teardown closes every queue's connection and waits for their
+// goroutines; once a drain has started, it waits for it first.
+func (set *queueSet) teardown() {
+	select {
+	case <-set.draining:
+		<-set.drained
+	default:
+	}
+	for _, s := range set.qs {
+		s.teardown()
+	}
+}
+
+// queueFor returns the queue of the chunk that holds off, or nil while
+// reconnecting. v.mu is held.
+func (v *Volume) queueFor(off uint64) *session {
+	if v.set == nil {
+		return nil
+	}
+	qs := v.set.qs
+	if len(qs) == 1 {
+		return qs[0]
+	}
+	return qs[(off/uint64(v.info.ChunkSize))%uint64(len(qs))]
+}
+
+// drain answers the target's shutdown notice, which comes on every queue:
+// no new IO starts on the session, IO in flight finishes (and sends its
+// Done), then a flush on every queue makes every acknowledged write
+// durable and the connections are closed. IO waits for the reconnection
+// meanwhile, and nothing is reported lost.
+func (set *queueSet) drain(v *Volume) {
+	set.drainOnce.Do(func() {
+		close(set.draining)
+		defer close(set.drained)
+		v.log.Info("target is shutting down: finishing IO in flight and flushing", zap.String("target", v.opts.Target))
+		v.mu.Lock()
+		for _, s := range set.qs {
+			s.draining = true
+		}
+		for _, s := range set.qs {
+			for s.inflight > 0 && s.link.Err() == nil {
+				v.cond.Wait()
+			}
+		}
+		v.mu.Unlock()
+		writes := v.writes.Load()
+		if err := set.flush(context.Background(), v); err == nil {
+			v.mu.Lock()
+			v.flushedAt = max(v.flushedAt, writes)
+			v.mu.Unlock()
+		} else {
+			v.log.Warn("flush before the target's shutdown failed", zap.Error(err))
+		}
+		for _, s := range set.qs {
+			s.link.Close()
+		}
+	})
+}
+
+// flush sends Flush on every queue at once and waits for every reply: a
+// Done is ordered only with the Flush of its own connection.
+func (set *queueSet) flush(ctx context.Context, v *Volume) error {
+	if len(set.qs) == 1 {
+		s := set.qs[0]
+		return s.link.RequestWithin(ctx, v.opts.FlushTimeout, s.flushMsg(), &protocol.OK{})
+	}
+	errs := make([]error, len(set.qs))
+	var wg sync.WaitGroup
+	for i, s := range set.qs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = s.link.RequestWithin(ctx, v.opts.FlushTimeout, s.flushMsg(), &protocol.OK{})
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// up reports whether every queue's link is up.
+func (set *queueSet) up() bool {
+	for _, s := range set.qs {
+		if s.link.Err() != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// usable reports whether IO may start on every queue: links up, no drain.
+// v.mu is held.
+func (set *queueSet) usable() bool {
+	for _, s := range set.qs {
+		if s.draining || s.link.Err() != nil {
+			return false
+		}
+	}
+	return true
+}
