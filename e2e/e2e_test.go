@@ -280,7 +280,7 @@ func TestFio(t *testing.T) {
 	needTools(t, "fio")
 	dir := t.TempDir()
 	tg := startTarget(t, []string{"vol=" + filepath.Join(dir, "vol.img") + ",size=32M"})
-	at := startAttach(t, tg, "vol")
+	at := startAttach(t, tg, "vol", "--queues", "2")
 	res := runFio(t, at.uri("vol"), "--rw=randrw", "--bs=4k", "--iodepth=32", "--verify=crc32c", "--size=16M")
 	// Its reads include the verification of every block it wrote.
 	if j := res.Jobs[0]; j.Write.IOBytes == 0 || j.Read.IOBytes <= j.Write.IOBytes {

@@ -114,7 +114,7 @@ func TestFaultKill9(t *testing.T) {
 	disk := startSlowDisk(t, make([]byte, blocks*blockSize), "30ms")
 	exports := []string{"vol=" + disk.file}
 	tg := startTarget(t, exports, "--chunk-size", "64K")
-	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s")
+	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s", "--queues", "3")
 	nc := dialNBD(t, at.sock, "vol")
 
 	acked := make([]uint32, blocks)   // the latest acknowledged write of each block
@@ -329,7 +329,7 @@ func TestFaultSIGTERMRestart(t *testing.T) {
 	disk := startSlowDisk(t, make([]byte, size), "1000ms")
 	exports := []string{"vol=" + disk.file}
 	tg := startTarget(t, exports)
-	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s")
+	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s", "--queues", "3")
 	nc := dialNBD(t, at.sock, "vol")
 	want := randomBytes(11, size)
 	// Read everything first: the chunks are then cached, and the writes

@@ -540,10 +540,12 @@ scen_kill_9() {
 	[ "$(am 'rblk_attach_nbd_requests_total{op="flush",result="ok"}')" -gt "$flush0" ] ||
 		fail "the fsync sent no FLUSH to rblk-attach"
 
-	step "fio writing 64M-128M in the background; kill -9 rblkd once 8 MiB went through"
+	step "fio writing 64M-128M (4 passes) in the background; kill -9 rblkd once 8 MiB went through"
 	w0=$(m rblkd_written_bytes_total)
+	# (4 passes: one took 2.5 s on 6.12 with 2 queues, over before the
+	# harness saw 8 MiB go through)
 	fio --name=interrupted --filename="$DEV" --ioengine=libaio --direct=1 --rw=write --bs=1M \
-		--iodepth=16 --offset=64M --size=64M --output="$LOGS/fio-interrupted.log" 2>"$LOGS/fio-interrupted.err" &
+		--iodepth=16 --offset=64M --size=64M --io_size=256M --output="$LOGS/fio-interrupted.log" 2>"$LOGS/fio-interrupted.err" &
 	fio_pid=$!
 	pids+=("$fio_pid")
 	wait_for 60 at_least "$TM" rblkd_written_bytes_total $((w0 + (8 << 20))) || fail "fio made no progress"
