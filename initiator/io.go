@@ -163,24 +163,36 @@ func bufLen(b *ioBuf) uint64 {
 
 // ReadAt reads into b from the volume at off with RDMA READs.
 func (v *Volume) ReadAt(ctx context.Context, nb *blockdev.Buffer, off uint64) error {
-	return v.io(ctx, nb.Priv.(*ioBuf), off, false, false)
+	b := nb.Priv.(*ioBuf)
+	b.q = byChunk
+	return v.io(ctx, b, off, false, false)
 }
 
 // WriteAt writes b at off with RDMA WRITEs, then tells the target with a
 // Done message; with fua it waits until the target made the range durable.
 func (v *Volume) WriteAt(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool) error {
+	if err := v.writable(); err != nil {
+		return err
+	}
+	b := nb.Priv.(*ioBuf)
+	b.q = byChunk
+	return v.io(ctx, b, off, true, fua)
+}
+
+// writable is nil, or why the volume takes no writes.
+func (v *Volume) writable() error {
 	if v.ReadOnly() {
 		return fmt.Errorf("write to read-only volume %q: %w", v.opts.Export, syscall.EPERM)
 	}
-	return v.io(ctx, nb.Priv.(*ioBuf), off, true, fua)
+	return nil
 }
 
 // retry runs op on the queue of off of the current session until it
 // succeeds, fails for a reason other than a lost connection, or no session
 // comes back.
-func (v *Volume) retry(ctx context.Context, what string, off uint64, op func(*session) error) error {
+func (v *Volume) retry(ctx context.Context, what string, q int, off uint64, op func(*session) error) error {
 	for {
-		s, err := v.current(ctx, off)
+		s, err := v.current(ctx, q, off)
 		if err != nil {
 			v.m.errors.WithLabelValues(what).Inc()
 			return v.mapErr(fmt.Errorf("%s: %w", what, err))
@@ -211,7 +223,7 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 		op = "write"
 	}
 	v.plan(b, off, n)
-	err := v.retry(ctx, op, off, func(s *session) error {
+	err := v.retry(ctx, op, b.q, off, func(s *session) error {
 		if s.tryAcquire(b, b.idxs, write) {
 			// The usual case: every chunk is granted; one chain of work
 			// requests does the whole request.
@@ -311,9 +323,9 @@ func (v *Volume) mapErr(err error) error {
 
 // control sends a request whose reply is OK on the queue of off, again
 // after a reconnection, waiting at most timeout for each reply.
-func (v *Volume) control(ctx context.Context, op string, off uint64, timeout time.Duration, mk func(s *session) protocol.Message) error {
+func (v *Volume) control(ctx context.Context, op string, q int, off uint64, timeout time.Duration, mk func(s *session) protocol.Message) error {
 	start := time.Now()
-	err := v.retry(ctx, op, off, func(s *session) error {
+	err := v.retry(ctx, op, q, off, func(s *session) error {
 		return s.link.RequestWithin(ctx, timeout, mk(s), &protocol.OK{})
 	})
 	v.m.controlSeconds.WithLabelValues(op).Observe(time.Since(start).Seconds())
@@ -359,6 +371,10 @@ func (v *Volume) Flush(ctx context.Context) error {
 
 // Trim discards a range; it then reads as zeroes.
 func (v *Volume) Trim(ctx context.Context, off, n uint64, fua bool) error {
+	return v.trim(ctx, byChunk, off, n, fua)
+}
+
+func (v *Volume) trim(ctx context.Context, q int, off, n uint64, fua bool) error {
 	if v.ReadOnly() {
 		return fmt.Errorf("trim on read-only volume: %w", syscall.EPERM)
 	}
@@ -369,13 +385,17 @@ func (v *Volume) Trim(ctx context.Context, off, n uint64, fua bool) error {
 	if fua {
 		flags = protocol.FlagFUA
 	}
-	return v.control(ctx, "trim", off, v.opts.IOTimeout, func(s *session) protocol.Message {
+	return v.control(ctx, "trim", q, off, v.opts.IOTimeout, func(s *session) protocol.Message {
 		return &protocol.Trim{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }
 
 // WriteZeroes zeroes a range, keeping it allocated if noHole.
 func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua bool) error {
+	return v.writeZeroes(ctx, byChunk, off, n, noHole, fua)
+}
+
+func (v *Volume) writeZeroes(ctx context.Context, q int, off, n uint64, noHole, fua bool) error {
 	if v.ReadOnly() {
 		return fmt.Errorf("write zeroes on read-only volume: %w", syscall.EPERM)
 	}
@@ -389,7 +409,7 @@ func (v *Volume) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua boo
 	if noHole {
 		flags |= protocol.FlagNoHole
 	}
-	return v.control(ctx, "write_zeroes", off, v.opts.IOTimeout, func(s *session) protocol.Message {
+	return v.control(ctx, "write_zeroes", q, off, v.opts.IOTimeout, func(s *session) protocol.Message {
 		return &protocol.WriteZeroes{Handle: s.info.Handle, Flags: flags, Offset: off, Length: n}
 	})
 }

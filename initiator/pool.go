@@ -45,6 +45,7 @@ type ioBuf struct {
 	idxs   []uint64
 	done   protocol.Done
 	ranges [1]protocol.Range
+	q      int // the queue it goes to (Volume.Queue), or byChunk
 
 	// The request in flight on the run-to-completion path (see submit).
 	v          *Volume

@@ -8,6 +8,8 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/initiator/blockdev"
+
 	"github.com/rblk/rblk/protocol"
 )
 
@@ -15,9 +17,11 @@ import (
 // queues (Options.Queues): the first opens the volume, the others join its
 // session (protocol.Join) and share its generation, so that the target
 // fences them all together. Each queue has its own grants and its own
-// completion path; a request goes to the queue of its first chunk, so a
-// chunk is granted on one queue only and the queues share the load of
-// random IO. The volume reconnects them all when any of them goes down.
+// completion path. A front end with several connections serves its i-th
+// from Queue(i) (blockdev.Queuer), so that a request and its completion
+// stay on one queue; through the Volume's own methods a request goes to
+// the queue of its first chunk. A flush goes to every queue. The volume
+// reconnects them all when any of them goes down.
 
 // queueSet is the connections of one session, first the one that opened
 // the volume.
@@ -110,17 +114,81 @@ func (set *queueSet) teardown() {
 	}
 }
 
-// queueFor returns the queue of the chunk that holds off, or nil while
-// reconnecting. v.mu is held.
-func (v *Volume) queueFor(off uint64) *session {
+// byChunk routes a request to the queue of its first chunk.
+const byChunk = -1
+
+// queueFor returns queue q (modulo the queues), or with byChunk the queue
+// of the chunk that holds off; nil while reconnecting. v.mu is held.
+func (v *Volume) queueFor(q int, off uint64) *session {
 	if v.set == nil {
 		return nil
 	}
 	qs := v.set.qs
-	if len(qs) == 1 {
+	switch {
+	case len(qs) == 1:
 		return qs[0]
+	case q >= 0:
+		return qs[q%len(qs)]
 	}
 	return qs[(off/uint64(v.info.ChunkSize))%uint64(len(qs))]
+}
+
+var _ blockdev.Queuer = (*Volume)(nil)
+
+// Queue returns the backend of queue i: see blockdev.Queuer. The NBD
+// server serves its i-th connection (the kernel's i-th socket) from it.
+func (v *Volume) Queue(i int) blockdev.Backend { return &queueView{v: v, q: i} }
+
+// queueView is one queue of a volume, as a blockdev backend.
+type queueView struct {
+	v *Volume
+	q int
+}
+
+var (
+	_ blockdev.Backend   = (*queueView)(nil)
+	_ blockdev.Submitter = (*queueView)(nil)
+)
+
+func (qv *queueView) Alloc(ctx context.Context, n int) (*blockdev.Buffer, error) {
+	return qv.v.Alloc(ctx, n)
+}
+func (qv *queueView) Free(b *blockdev.Buffer)         { qv.v.Free(b) }
+func (qv *queueView) Flush(ctx context.Context) error { return qv.v.Flush(ctx) }
+
+func (qv *queueView) ReadAt(ctx context.Context, nb *blockdev.Buffer, off uint64) error {
+	b := nb.Priv.(*ioBuf)
+	b.q = qv.q
+	return qv.v.io(ctx, b, off, false, false)
+}
+
+func (qv *queueView) WriteAt(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool) error {
+	if err := qv.v.writable(); err != nil {
+		return err
+	}
+	b := nb.Priv.(*ioBuf)
+	b.q = qv.q
+	return qv.v.io(ctx, b, off, true, fua)
+}
+
+func (qv *queueView) Trim(ctx context.Context, off, n uint64, fua bool) error {
+	return qv.v.trim(ctx, qv.q, off, n, fua)
+}
+
+func (qv *queueView) WriteZeroes(ctx context.Context, off, n uint64, noHole, fua bool) error {
+	return qv.v.writeZeroes(ctx, qv.q, off, n, noHole, fua)
+}
+
+func (qv *queueView) SubmitRead(ctx context.Context, nb *blockdev.Buffer, off uint64, c blockdev.Completion) {
+	qv.v.submit(ctx, nb.Priv.(*ioBuf), qv.q, off, false, false, c)
+}
+
+func (qv *queueView) SubmitWrite(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool, c blockdev.Completion) {
+	if err := qv.v.writable(); err != nil {
+		c.Complete(err)
+		return
+	}
+	qv.v.submit(ctx, nb.Priv.(*ioBuf), qv.q, off, true, fua, c)
 }
 
 // drain answers the target's shutdown notice, which comes on every queue:

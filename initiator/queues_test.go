@@ -143,3 +143,47 @@ func TestQueuesReconnectAndFence(t *testing.T) {
 		t.Fatal("the file differs from what was written and flushed")
 	}
 }
+
+// TestQueueRoutesToItsConnection: the backend of queue i (what the NBD
+// server gives its i-th connection) sends its requests on connection i,
+// whatever chunk they touch: a write of chunk 0 through queue 1 goes out
+// on the second connection (armed to lose its next SEND), through queue 0
+// on the first.
+func TestQueueRoutesToItsConnection(t *testing.T) {
+	const chunk = 64 << 10
+	r := startTarget(t, 1<<20, 1<<20, chunk, false)
+	in := faultnet.Wrap(r.p)
+	v := r.openWith(initiator.Options{Provider: in, HostID: "host-q", Queues: 2, ReconnectTimeout: 20 * time.Second})
+	conns := in.Conns()
+	if len(conns) != 2 {
+		t.Fatalf("%d connections, want 2", len(conns))
+	}
+	for i := range 2 { // grants in place on both queues
+		if err := write(t, v.Queue(i), 0, []byte("warm"), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conns[1].LoseNextSend()
+	if err := write(t, v.Queue(0), 0, []byte("queue 0"), false); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(t, v.Queue(2), 4096, []byte("queue 2 is queue 0"), false); err != nil {
+		t.Fatal(err)
+	}
+	if conns[1].Disconnected() {
+		t.Fatal("a request of queue 0 went out on the second connection")
+	}
+	if err := write(t, v.Queue(1), 0, []byte("queue 1"), false); err != nil {
+		t.Fatal(err) // (done again after the reconnect)
+	}
+	if !conns[1].Disconnected() {
+		t.Fatal("a request of queue 1 did not go out on the second connection")
+	}
+	if err := v.Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	got, err := read(t, v, 0, 7)
+	if err != nil || string(got) != "queue 1" {
+		t.Fatalf("read back %q, %v; want the last write", got, err)
+	}
+}

@@ -146,16 +146,16 @@ func (v *Volume) fail(err error) {
 	}
 }
 
-// current returns the queue to do IO at off on, waiting while
+// current returns the queue q, or that of the chunk of off, to do IO on, waiting while
 // reconnecting. The caller calls put when it no longer uses it.
-func (v *Volume) current(ctx context.Context, off uint64) (*session, error) {
+func (v *Volume) current(ctx context.Context, q int, off uint64) (*session, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for {
 		if v.failed != nil {
 			return nil, v.failed
 		}
-		if s := v.queueFor(off); s != nil && !s.draining && s.link.Err() == nil {
+		if s := v.queueFor(q, off); s != nil && !s.draining && s.link.Err() == nil {
 			s.inflight++
 			return s, nil
 		}

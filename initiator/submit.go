@@ -2,8 +2,6 @@ package initiator
 
 import (
 	"context"
-	"fmt"
-	"syscall"
 	"time"
 
 	"github.com/rblk/rblk/initiator/blockdev"
@@ -14,16 +12,16 @@ var _ blockdev.Submitter = (*Volume)(nil)
 
 // SubmitRead starts a read of b at off: see blockdev.Submitter.
 func (v *Volume) SubmitRead(ctx context.Context, nb *blockdev.Buffer, off uint64, c blockdev.Completion) {
-	v.submit(ctx, nb.Priv.(*ioBuf), off, false, false, c)
+	v.submit(ctx, nb.Priv.(*ioBuf), byChunk, off, false, false, c)
 }
 
 // SubmitWrite starts a write of b at off: see blockdev.Submitter.
 func (v *Volume) SubmitWrite(ctx context.Context, nb *blockdev.Buffer, off uint64, fua bool, c blockdev.Completion) {
-	if v.ReadOnly() {
-		c.Complete(fmt.Errorf("write to read-only volume %q: %w", v.opts.Export, syscall.EPERM))
+	if err := v.writable(); err != nil {
+		c.Complete(err)
 		return
 	}
-	v.submit(ctx, nb.Priv.(*ioBuf), off, true, fua, c)
+	v.submit(ctx, nb.Priv.(*ioBuf), byChunk, off, true, fua, c)
 }
 
 // submit runs a request to completion when it can: on the caller's
@@ -39,7 +37,8 @@ func (v *Volume) SubmitWrite(ctx context.Context, nb *blockdev.Buffer, off uint6
 // a FUA write (which waits for the target's reply), a request too large
 // for one chain, and a chain that failed (it is done again once
 // reconnected, as any IO in flight on a lost session).
-func (v *Volume) submit(ctx context.Context, b *ioBuf, off uint64, write, fua bool, c blockdev.Completion) {
+func (v *Volume) submit(ctx context.Context, b *ioBuf, q int, off uint64, write, fua bool, c blockdev.Completion) {
+	b.q = q
 	n := bufLen(b)
 	if n == 0 {
 		c.Complete(nil)
@@ -61,7 +60,7 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 	off, write := b.off, b.write
 	v.plan(b, off, n)
 	v.mu.Lock()
-	s := v.queueFor(off)
+	s := v.queueFor(b.q, off)
 	if v.failed != nil || s == nil || s.draining || s.link.Err() != nil {
 		v.mu.Unlock()
 		return false

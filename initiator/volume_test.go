@@ -19,6 +19,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/rblk/rblk/initiator"
+	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/tcp"
@@ -139,7 +140,7 @@ func (r *rig) openWith(o initiator.Options) *initiator.Volume {
 	return v
 }
 
-func write(t *testing.T, v *initiator.Volume, off uint64, data []byte, fua bool) error {
+func write(t *testing.T, v blockdev.Backend, off uint64, data []byte, fua bool) error {
 	t.Helper()
 	ctx := context.Background()
 	b, err := v.Alloc(ctx, len(data))

@@ -66,7 +66,7 @@ first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
 	fl.StringVar(&f.nbdListen, "nbd-listen", "", "serve NBD on unix:PATH or tcp:HOST:PORT (this or --device)")
 	f.dev.register(fl)
-	fl.IntVar(&f.queues, "queues", 0, "connections to the target, each an IO queue of the session with its own completion path (0: as many as the device's --connections, 1 with --nbd-listen)")
+	fl.IntVar(&f.queues, "queues", 0, "connections to the target, each an IO queue of the session with its own completion path; NBD connection i is served by queue i (0: as many as the device's --connections, 1 with --nbd-listen)")
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
 	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")

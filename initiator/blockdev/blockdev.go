@@ -72,3 +72,16 @@ type Submitter interface {
 	// called once with the result.
 	SubmitWrite(ctx context.Context, b *Buffer, off uint64, fua bool, c Completion)
 }
+
+// Queuer is implemented by a Backend with several queues, each with its
+// own completion path (rblk: a connection to the target). A front end
+// with several connections or hardware queues serves its i-th from
+// Queue(i), so that a request and its completion stay on one queue, as
+// nvme-rdma maps its IO queues to CPUs.
+type Queuer interface {
+	// Queue returns the backend of queue i (0 <= i; i modulo the
+	// backend's queues): a Backend, and a Submitter if the Backend is
+	// one, whose reads, writes, trims and zeroes go to that queue. Its
+	// Flush covers every queue, as the Backend's.
+	Queue(i int) Backend
+}

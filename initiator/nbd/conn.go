@@ -50,6 +50,7 @@ type conn struct {
 	log     *zap.Logger
 	stopCtx func() bool
 	export  *export
+	index   int // the connection's number on its server, from 0
 
 	closing   atomic.Bool
 	reasonMu  sync.Mutex
@@ -61,7 +62,8 @@ type conn struct {
 	scratch  []byte // for discarding payloads, made on first use
 	work     chan *request
 	nworkers int
-	sub      blockdev.Submitter // the export's backend, if it is one
+	be       Backend            // the export's backend, or its queue for this connection
+	sub      blockdev.Submitter // be, if it is one
 
 	workers sync.WaitGroup
 	reqs    sync.WaitGroup // requests read and not finished
@@ -196,7 +198,11 @@ func (c *conn) transmit(x *export) error {
 	c.export = x
 	c.work = make(chan *request)
 	c.slotFree = make(chan struct{}, 1)
-	c.sub, _ = x.Backend.(blockdev.Submitter)
+	c.be = x.Backend
+	if q, ok := x.Backend.(blockdev.Queuer); ok {
+		c.be = q.Queue(c.index)
+	}
+	c.sub, _ = c.be.(blockdev.Submitter)
 	c.startWriter()
 	err := c.readLoop(x)
 	close(c.work)
@@ -282,10 +288,10 @@ func (c *conn) submit(r *request) bool {
 	}
 	switch r.typ {
 	case cmdRead:
-		b, err := c.export.Backend.Alloc(c.ctx, int(r.length))
+		b, err := c.be.Alloc(c.ctx, int(r.length))
 		if err != nil || !sized(b, r.length) {
 			if b != nil {
-				c.export.Backend.Free(b)
+				c.be.Free(b)
 			}
 			return false // the worker reports it
 		}
@@ -376,13 +382,13 @@ func (c *conn) readWrite(x *export, r *request) error {
 	case r.length == 0:
 		return nil
 	default:
-		b, err := x.Backend.Alloc(c.ctx, int(r.length))
+		b, err := c.be.Alloc(c.ctx, int(r.length))
 		switch {
 		case err != nil:
 			r.errno = c.errnoOf(err, errNoMem)
 		case !sized(b, r.length):
 			if b != nil {
-				x.Backend.Free(b)
+				c.be.Free(b)
 			}
 			c.log.Error("nbd: backend lent a buffer of the wrong size", zap.Uint32("want", r.length))
 			r.errno = errIO
@@ -390,7 +396,7 @@ func (c *conn) readWrite(x *export, r *request) error {
 			r.buf = b
 			for _, seg := range b.Segs {
 				if _, err := io.ReadFull(c.br, seg); err != nil {
-					x.Backend.Free(b)
+					c.be.Free(b)
 					r.buf = nil
 					return c.readErr(err, "reading a WRITE payload")
 				}
@@ -463,8 +469,7 @@ func (c *conn) worker(r *request) {
 
 // serve runs one request against the backend and replies.
 func (c *conn) serve(r *request) {
-	x := c.export
-	be := x.Backend
+	be := c.be
 	errno := r.errno
 	data := false
 	if errno == 0 {
@@ -517,7 +522,7 @@ func (c *conn) serve(r *request) {
 // back to the backend, r to the pool.
 func (c *conn) done(r *request) {
 	if r.buf != nil {
-		c.export.Backend.Free(r.buf)
+		c.be.Free(r.buf)
 	}
 	c.s.putRequest(r)
 	c.release()

@@ -315,8 +315,10 @@ func (s *Server) newConn(ctx context.Context, nc net.Conn) (*conn, error) {
 		nc:  nc,
 		br:  bufio.NewReaderSize(nc, readBufferSize),
 		ctx: ctx,
-		log: s.log.With(zap.Uint64("conn", s.nextID.Add(1)), zap.Stringer("remote", addrOf(nc))),
 	}
+	id := s.nextID.Add(1)
+	c.index = int(id - 1)
+	c.log = s.log.With(zap.Uint64("conn", id), zap.Stringer("remote", addrOf(nc)))
 	c.initWriter()
 	s.conns[c] = struct{}{}
 	s.wg.Add(1)
