@@ -146,48 +146,53 @@ func (v *Volume) fail(err error) {
 	}
 }
 
-// current returns the queue q, or that of the chunk of off, to do IO on, waiting while
-// reconnecting. The caller calls put when it no longer uses it.
+// current returns the queue q, or that of the chunk of off, to do IO on,
+// waiting while reconnecting. The caller calls put when it no longer uses
+// it.
 func (v *Volume) current(ctx context.Context, q int, off uint64) (*session, error) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	for {
-		if v.failed != nil {
-			return nil, v.failed
+	var s *session
+	err := v.waitUp(ctx, func() bool {
+		s = v.queueFor(q, off)
+		if s == nil || s.draining || s.link.Err() != nil {
+			return false
 		}
-		if s := v.queueFor(q, off); s != nil && !s.draining && s.link.Err() == nil {
-			s.inflight++
-			return s, nil
-		}
-		// Reconnecting, draining, or the link just went down and
-		// supervise has not noticed yet: changed is closed when the next
-		// session is in place or the volume fails.
-		ch := v.changed
-		v.mu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			v.mu.Lock()
-			return nil, ctx.Err()
-		}
-		v.mu.Lock()
-	}
+		s.inflight++
+		return true
+	})
+	return s, err
 }
 
 // currentSet returns every queue of the session, waiting while
 // reconnecting; the caller calls putSet when it no longer uses them.
 func (v *Volume) currentSet(ctx context.Context) (*queueSet, error) {
+	var set *queueSet
+	err := v.waitUp(ctx, func() bool {
+		set = v.set
+		if set == nil || !set.usable() {
+			return false
+		}
+		for _, s := range set.qs {
+			s.inflight++
+		}
+		return true
+	})
+	return set, err
+}
+
+// waitUp calls take, with v.mu held, until it reports that it took what
+// it needs of the session, the volume fails or ctx ends. take fails while
+// reconnecting, draining, or when a link just went down and supervise has
+// not noticed yet: changed is closed when the next session is in place or
+// the volume fails.
+func (v *Volume) waitUp(ctx context.Context, take func() bool) error {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for {
 		if v.failed != nil {
-			return nil, v.failed
+			return v.failed
 		}
-		if set := v.set; set != nil && set.usable() {
-			for _, s := range set.qs {
-				s.inflight++
-			}
-			return set, nil
+		if take() {
+			return nil
 		}
 		ch := v.changed
 		v.mu.Unlock()
@@ -195,7 +200,7 @@ func (v *Volume) currentSet(ctx context.Context) (*queueSet, error) {
 		case <-ch:
 		case <-ctx.Done():
 			v.mu.Lock()
-			return nil, ctx.Err()
+			return ctx.Err()
 		}
 		v.mu.Lock()
 	}
@@ -203,20 +208,22 @@ func (v *Volume) currentSet(ctx context.Context) (*queueSet, error) {
 
 func (v *Volume) put(s *session) {
 	v.mu.Lock()
-	s.inflight--
-	if s.inflight == 0 && s.draining {
-		v.cond.Broadcast()
-	}
+	v.release(s)
 	v.mu.Unlock()
 }
 
 func (v *Volume) putSet(set *queueSet) {
 	v.mu.Lock()
 	for _, s := range set.qs {
-		s.inflight--
-		if s.inflight == 0 && s.draining {
-			v.cond.Broadcast()
-		}
+		v.release(s)
 	}
 	v.mu.Unlock()
+}
+
+// release ends a hold on s. v.mu is held.
+func (v *Volume) release(s *session) {
+	s.inflight--
+	if s.inflight == 0 && s.draining {
+		v.cond.Broadcast()
+	}
 }

@@ -97,10 +97,7 @@ func (v *Volume) finish(s *session, b *ioBuf) {
 	if s.grants.release(b.grants) {
 		v.cond.Broadcast()
 	}
-	s.inflight--
-	if s.inflight == 0 && s.draining {
-		v.cond.Broadcast()
-	}
+	v.release(s)
 	v.mu.Unlock()
 	clear(b.grants)
 	b.grants = b.grants[:0]

@@ -257,19 +257,29 @@ func (s *session) hostID() string {
 	return s.host
 }
 
-func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
+// export returns the export name that the session's host may open, for
+// a request (op) that names hostID (empty: the session's).
+func (s *session) export(op, name, hostID string) (*volume, string, error) {
 	host := s.hostID()
-	if m.HostID != "" && m.HostID != host {
-		return nil, fmt.Errorf("open names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
+	if hostID != "" && hostID != host {
+		return nil, "", fmt.Errorf("%s names host %q, but the session is host %q's: %w", op, hostID, host, protocol.ErrAccess)
 	}
-	v := s.t.volumes[m.Name]
+	v := s.t.volumes[name]
 	if v == nil {
-		return nil, fmt.Errorf("export %q: %w", m.Name, protocol.ErrNoExport)
+		return nil, "", fmt.Errorf("export %q: %w", name, protocol.ErrNoExport)
 	}
 	if !v.cfg.allows(host) {
 		s.t.m.refused.WithLabelValues("not_allowed").Inc()
-		s.log.Warn("open refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
-		return nil, fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
+		s.log.Warn(op+" refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
+		return nil, "", fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
+	}
+	return v, host, nil
+}
+
+func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
+	v, host, err := s.export("open", m.Name, m.HostID)
+	if err != nil {
+		return nil, err
 	}
 	writable := m.Mode == protocol.ModeReadWrite
 	if writable && v.readOnly {
@@ -286,45 +296,12 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	if err := s.t.reinstate(s.ctx, s, ov, m.Flags&protocol.OpenTakeover != 0); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	s.next++
-	h := s.next
-	s.handles[h] = ov
-	if !s.opened {
-		s.opened = true
-		s.t.cache.sessions.Add(1)
-	}
-	s.mu.Unlock()
-	s.log.Info("volume opened", zap.String("export", v.name), zap.String("host_id", host),
-		zap.Bool("writable", writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
-	flags := volFlags(v)
-	if !writable {
-		flags = protocol.VolReadOnly | protocol.VolCanFlush
-	}
-	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
-		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}, nil
+	return s.addHandle(ov, "volume opened"), nil
 }
 
-// join adds the session to the current session of its host ID and the
-// export as an IO queue (protocol.Join): it gets a handle of its own and
-// the session's generation, and is fenced with the session.
-func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
-	host := s.hostID()
-	if m.HostID != host {
-		return nil, fmt.Errorf("join names host %q, but the session is host %q's: %w", m.HostID, host, protocol.ErrAccess)
-	}
-	v := s.t.volumes[m.Name]
-	if v == nil {
-		return nil, fmt.Errorf("export %q: %w", m.Name, protocol.ErrNoExport)
-	}
-	if !v.cfg.allows(host) {
-		s.t.m.refused.WithLabelValues("not_allowed").Inc()
-		return nil, fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
-	}
-	ov := &openVol{v: v, writable: m.Mode == protocol.ModeReadWrite, gen: m.Generation, ident: ident{host: host, export: v.name}}
-	if err := s.t.join(s, ov); err != nil {
-		return nil, err
-	}
+// addHandle gives ov a handle of the session and returns the VolumeInfo
+// that tells the initiator, logging event.
+func (s *session) addHandle(ov *openVol, event string) *protocol.VolumeInfo {
 	s.mu.Lock()
 	s.next++
 	h := s.next
@@ -334,14 +311,30 @@ func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
 		s.t.cache.sessions.Add(1)
 	}
 	s.mu.Unlock()
-	s.log.Info("queue joined", zap.String("export", v.name), zap.String("host_id", host),
+	v := ov.v
+	s.log.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host),
 		zap.Bool("writable", ov.writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !ov.writable {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
 	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
-		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}, nil
+		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}
+}
+
+// join adds the session to the current session of its host ID and the
+// export as an IO queue (protocol.Join): it gets a handle of its own and
+// the session's generation, and is fenced with the session.
+func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
+	v, host, err := s.export("join", m.Name, m.HostID) // (a Join always names one)
+	if err != nil {
+		return nil, err
+	}
+	ov := &openVol{v: v, writable: m.Mode == protocol.ModeReadWrite, gen: m.Generation, ident: ident{host: host, export: v.name}}
+	if err := s.t.join(s, ov); err != nil {
+		return nil, err
+	}
+	return s.addHandle(ov, "queue joined"), nil
 }
 
 func volFlags(v *volume) protocol.VolumeFlags {
