@@ -598,10 +598,25 @@ func (q *queue) sqe() *uring.SQE {
 		if s := q.ring.GetSQE(); s != nil {
 			return s
 		}
-		if _, err := q.ring.Submit(0); err != nil {
+		if err := q.submit(0); err != nil {
 			q.log.Error("ublk: submit", zap.Error(err))
 		}
 	}
+}
+
+// submit hands the queued entries to the kernel (waiting for wait
+// completions); once all are taken, the buffers of the reads committed go
+// back to the backend: the kernel copied them while taking the entries.
+func (q *queue) submit(wait uint32) error {
+	_, err := q.ring.Submit(wait)
+	if q.ring.Pending() == 0 {
+		for i, b := range q.toFree {
+			q.d.opts.Backend.Free(b)
+			q.toFree[i] = nil
+		}
+		q.toFree = q.toFree[:0]
+	}
+	return err
 }
 
 func (q *queue) ioCmd(t *tag, nr uint32, kind uint64, result int32, addr uint64) {
@@ -661,26 +676,25 @@ func (q *queue) loop() {
 			if q.live == 0 && !q.stopping.Load() && !q.d.stopping.Load() {
 				q.d.end(fmt.Errorf("ublk: queue %d: the kernel ended every request slot", q.id))
 			}
+			// (the last commits go to the kernel before the ring closes)
+			if err := q.submit(0); err != nil {
+				q.log.Warn("ublk: last commits", zap.Error(err))
+			}
+			for _, b := range q.toFree {
+				q.d.opts.Backend.Free(b)
+			}
+			q.toFree = nil
 			return
 		}
 		q.awake.Store(false)
 		if q.list.Load() != nil {
 			continue
 		}
-		if _, err := q.ring.Submit(1); err != nil {
+		if err := q.submit(1); err != nil {
 			q.log.Error("ublk: queue ring failed", zap.Error(err))
 			q.d.end(fmt.Errorf("ublk: queue %d: %w", q.id, err))
 			q.cancelAll()
 			return
-		}
-		if q.ring.Pending() == 0 {
-			// The kernel copied the data of the reads committed: their
-			// buffers go back.
-			for i, b := range q.toFree {
-				q.d.opts.Backend.Free(b)
-				q.toFree[i] = nil
-			}
-			q.toFree = q.toFree[:0]
 		}
 	}
 }
