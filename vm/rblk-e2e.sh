@@ -26,7 +26,8 @@
 #              umount: the device reads back as rblkd's backing file, and
 #              after detach the file's sha256 matches in that image;
 #              detach of a mounted device refused; detach and SIGTERM exit
-#              0 and leave no /dev/ublk*. Without ublk_drv (6.1): attach
+#              0 and leave no /dev/ublk*; after a SIGKILL of rblk-attach,
+#              detach removes the device the kernel kept. Without ublk_drv (6.1): attach
 #              --device ublk is refused at once in one line. bench gets a
 #              "rblk ublk" column where the kernel has it;
 #  small-cache a cache of a quarter of the volume: fio verify randrw over the
@@ -623,6 +624,16 @@ scen_ublk() {
 	wait_exit "$APID" "rblk-attach attach (SIGTERM)"
 	no_ublk_devices || fail "left behind after SIGTERM: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
 	grep -q 'detached cleanly' "$LOGS/attach2.log" || fail "no clean detach in the log: $(tail -n 3 "$LOGS/attach2.log")"
+
+	step "rblk-attach killed with SIGKILL: rblk-attach detach removes what the kernel kept"
+	attach_ublk attach3.log "$size"
+	kill -KILL "$APID"
+	wait "$APID" 2>/dev/null || true
+	sleep 1
+	echo "after SIGKILL: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
+	"$BIN/rblk-attach" detach "$DEV" >"$LOGS/detach-killed.log" 2>&1 || fail "detach after SIGKILL: $(cat "$LOGS/detach-killed.log")"
+	cat "$LOGS/detach-killed.log"
+	wait_for 10 no_ublk_devices || fail "left behind after SIGKILL and detach: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
 	stop_rblkd
 }
 

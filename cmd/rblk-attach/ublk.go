@@ -84,8 +84,16 @@ func detachUblk(dev string, force bool, wait time.Duration) error {
 	if err != nil {
 		return err
 	}
-	if !live || pid <= 0 {
-		return fmt.Errorf("%s is not served (no live ublk device)", dev)
+	if pid <= 0 || !alive(pid) {
+		// Its server was killed: the kernel keeps the device until deleted.
+		if err := ublk.Remove(dev); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "%s had no serving process: removed\n", dev)
+		return nil
+	}
+	if !live {
+		return fmt.Errorf("%s is not live (process %d serves it): wait for it, or end that process", dev, pid)
 	}
 	if !force {
 		busy, err := ublk.InUse(dev)

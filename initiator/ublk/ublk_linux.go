@@ -369,7 +369,22 @@ func (d *Device) Detach(ctx context.Context) error {
 		close(d.pollStop)
 		<-d.pollDone
 		d.stopping.Store(true)
-		if _, err := d.ctrl.do(cmdStopDev, uint32(d.id), nil, 0); err != nil {
+		// STOP_DEV returns once the requests the kernel gave us are
+		// committed: past ctx, the backend's are cancelled.
+		stopped := make(chan error, 1)
+		go func() {
+			_, err := d.ctrl.do(cmdStopDev, uint32(d.id), nil, 0)
+			stopped <- err
+		}()
+		var err error
+		select {
+		case err = <-stopped:
+		case <-ctx.Done():
+			d.log.Warn("ublk: stopping the device waits for the backend: cancelling its requests")
+			d.cancel()
+			err = <-stopped
+		}
+		if err != nil {
 			d.detachErr = fmt.Errorf("ublk: stop device %d: %w", d.id, err)
 		}
 		d.stopQueues(ctx)
@@ -410,6 +425,30 @@ func (d *Device) teardown() {
 	d.del()
 	d.ctrl.close()
 	d.cancel()
+}
+
+// Remove stops and deletes ublk device dev (/dev/ublkbN) whose server is
+// gone (killed): the kernel keeps such a device until it is deleted.
+func Remove(dev string) error {
+	id, err := ParseDevice(dev)
+	if err != nil {
+		return err
+	}
+	if id < 0 {
+		return errors.New("ublk: needs a device, not ublk")
+	}
+	c, err := openControl()
+	if err != nil {
+		return err
+	}
+	defer c.close()
+	if _, err := c.do(cmdStopDev, uint32(id), nil, 0); err != nil && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("ublk: stop %s: %w", dev, err)
+	}
+	if _, err := c.do(cmdDelDev, uint32(id), nil, 0); err != nil {
+		return fmt.Errorf("ublk: delete %s: %w", dev, err)
+	}
+	return nil
 }
 
 // ServerPID reads the process serving /dev/ublkbN (or "ublk" is refused):

@@ -39,6 +39,9 @@ func Attach(context.Context, Options) (*Device, error) { return nil, errNotLinux
 // InUse fails off Linux.
 func InUse(string) (bool, error) { return false, errNotLinux }
 
+// Remove fails off Linux.
+func Remove(string) error { return errNotLinux }
+
 // ServerPID fails off Linux.
 func ServerPID(string) (int, bool, error) { return 0, false, errNotLinux }
 
