@@ -60,6 +60,9 @@ type control struct {
 	fd     int
 	ring   *uring.Ring
 	legacy bool // the kernel takes the bare command numbers only (< 6.4)
+	// data is the commands' buffer, on the heap: the kernel reads and
+	// writes it from a worker thread, while the caller's stack could move.
+	data []byte
 }
 
 func openControl() (*control, error) {
@@ -75,7 +78,7 @@ func openControl() (*control, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("ublk: control ring: %w", err)
 	}
-	return &control{fd: fd, ring: r}, nil
+	return &control{fd: fd, ring: r, data: make([]byte, 128)}, nil
 }
 
 func (c *control) close() {
@@ -102,12 +105,13 @@ func (c *control) do(nr uint32, devID uint32, buf []byte, data0 uint64) (int32, 
 	s.Off = uint64(ctrlOp(nr, c.legacy))
 	cmd := ctrlCmd{devID: devID, queueID: 0xffff, data0: data0}
 	if len(buf) > 0 {
-		cmd.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
-		cmd.len = uint16(len(buf))
+		n := copy(c.data, buf)
+		cmd.addr = uint64(uintptr(unsafe.Pointer(&c.data[0])))
+		cmd.len = uint16(n)
 	}
 	cmd.put(c.ring.Cmd(s))
 	cqe, err := c.ring.Do()
-	runtime.KeepAlive(buf)
+	copy(buf, c.data)
 	if err != nil {
 		return 0, err
 	}

@@ -8,6 +8,10 @@
 // to the submitting task (ublk does, per queue) need that goroutine locked
 // to its OS thread (runtime.LockOSThread), which is the caller's duty.
 //
+// Memory whose address goes into an entry (a read's buffer, a command's
+// data) must stay put until its completion: not on a goroutine stack, which
+// moves when it grows or shrinks; heap or mmap'd memory is fine.
+//
 // Linux only (5.1 and later for the basic ring, 5.19 for IORING_OP_URING_CMD
 // and SQE128); elsewhere New fails with ErrUnsupported.
 package uring

@@ -115,6 +115,10 @@ func TestReadWriteFile(t *testing.T) {
 	}
 }
 
+// eventfdValue is where the ring reads the eventfd: not on a stack, which
+// may move while the kernel holds its address.
+var eventfdValue [8]byte
+
 // An eventfd read completes when another goroutine writes the eventfd: how
 // the ublk queues learn of the backend's completions.
 func TestEventfdWakeup(t *testing.T) {
@@ -124,7 +128,7 @@ func TestEventfdWakeup(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Close(efd)
-	var val [8]byte
+	val := &eventfdValue
 	s := r.GetSQE()
 	s.Opcode, s.FD, s.Addr, s.Len, s.UserData = OpRead, int32(efd), uint64(uintptr(unsafe.Pointer(&val[0]))), 8, 7
 	if _, err := r.Submit(0); err != nil {
