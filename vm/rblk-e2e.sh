@@ -876,7 +876,7 @@ during $name: $(wc -l <<<"$bad") lines
 $(sed -E 's/^\[ *[0-9.]+\] //; s/sector [0-9]+/sector N/' <<<"$bad" | sort | uniq -c | sort -rn | head -n 12)"
 	done
 	[ -z "$found" ] || fail "the kernel log has bad lines (logs/dmesg/findings-*.txt):$found"
-	echo "no call trace, BUG, WARNING, blocked task, I/O error or rxe/rdma/nbd/nvme error in $(cat "$WORK"/logs/*/kernel.log | wc -l) lines"
+	echo "no call trace, BUG, WARNING, blocked task, I/O error or rxe/rdma/nbd/nvme/ublk error in $(cat "$WORK"/logs/*/kernel.log | wc -l) lines"
 }
 
 # rxe_table: the counters that moved, one column a scenario.
