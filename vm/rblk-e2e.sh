@@ -25,6 +25,8 @@
 #              rblkd (its flush count moves); ext4 with a file, sync,
 #              umount: the device reads back as rblkd's backing file, and
 #              after detach the file's sha256 matches in that image;
+#              write-zeroes reads back as zeroes, discard works; a
+#              --read-only attach refuses writes and reads the file's bytes;
 #              detach of a mounted device refused; detach and SIGTERM exit
 #              0 and leave no /dev/ublk*; after a SIGKILL of rblk-attach,
 #              detach removes the device the kernel kept. Without ublk_drv (6.1): attach
@@ -585,6 +587,13 @@ scen_ublk() {
 	fio_verify ublk-1m-qd8 --rw=write --bs=1M --iodepth=8 --size=128M
 	fio_verify ublk-randrw-64k --rw=randrw --bs=64k --iodepth=16 --size=64M
 
+	step "write-zeroes reads back as zeroes; discard succeeds"
+	dd if=/dev/urandom of="$DEV" bs=1M count=2 oflag=direct status=none || fail "write 2 MiB"
+	blkdiscard -z -o 0 -l $((1 << 20)) "$DEV" || fail "blkdiscard -z (WRITE_ZEROES) on $DEV"
+	cmp -n $((1 << 20)) <(dd if="$DEV" bs=1M count=1 iflag=direct status=none) /dev/zero || fail "zeroed range does not read back as zeroes"
+	blkdiscard -o $((1 << 20)) -l $((1 << 20)) "$DEV" || fail "blkdiscard (DISCARD) on $DEV"
+	echo "write_zeroes ok: $(m 'rblkd_requests_total{op="write_zeroes",result="ok"}'), trims ok: $(m 'rblkd_requests_total{op="trim",result="ok"}')"
+
 	step "a flush reaches the target"
 	f0=$(m 'rblkd_requests_total{op="flush",result="ok"}')
 	flush_dev || fail "fsync of $DEV"
@@ -624,6 +633,14 @@ scen_ublk() {
 	wait_exit "$APID" "rblk-attach attach (SIGTERM)"
 	no_ublk_devices || fail "left behind after SIGTERM: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
 	grep -q 'detached cleanly' "$LOGS/attach2.log" || fail "no clean detach in the log: $(tail -n 3 "$LOGS/attach2.log")"
+
+	step "attach --read-only: the device is read-only, a write fails, reads work"
+	attach_ublk attach-ro.log "$size" --read-only
+	[ "$(blockdev --getro "$DEV")" = 1 ] || fail "$DEV is not read-only"
+	if dd if=/dev/zero of="$DEV" bs=4k count=1 oflag=direct status=none 2>"$LOGS/ro-write.log"; then fail "a write to read-only $DEV succeeded"; fi
+	cmp -n $((4 << 20)) <(dd if="$DEV" bs=1M count=4 iflag=direct status=none) "$VOL" || fail "read-only $DEV reads other bytes than the backing file"
+	echo "read-only: write refused ($(head -n 1 "$LOGS/ro-write.log")), reads match"
+	detach
 
 	step "rblk-attach killed with SIGKILL: rblk-attach detach removes what the kernel kept"
 	attach_ublk attach3.log "$size"
