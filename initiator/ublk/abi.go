@@ -34,6 +34,10 @@ const (
 	fNeedGetData       = 1 << 2
 	fURingCmdCompInTsk = 1 << 1
 	fCmdIoctlEncode    = 1 << 6
+	fUserCopy          = 1 << 7 // 6.5+: data moves by pread/pwrite on /dev/ublkcN
+	ioBufOffset        = 0x80000000
+	tagShift           = 25 // UBLK_TAG_OFF
+	qidShift           = 41 // UBLK_QID_OFF
 
 	opRead        = 0
 	opWrite       = 1
@@ -210,6 +214,12 @@ func charPath(id int) string { return "/dev/ublkc" + strconv.Itoa(id) }
 
 // ErrNoDriver is returned when the kernel has no ublk driver.
 var ErrNoDriver = errors.New("ublk: the kernel has no ublk_drv (Linux >= 6.0 with CONFIG_BLK_DEV_UBLK; modprobe ublk_drv)")
+
+// userCopyPos is where request tag of queue q is read or written in
+// /dev/ublkcN with UBLK_F_USER_COPY.
+func userCopyPos(q, tag uint16) int64 {
+	return ioBufOffset + int64(q)<<qidShift + int64(tag)<<tagShift
+}
 
 // roundUp rounds n up to a multiple of the power of two a.
 func roundUp(n, a int) int { return (n + a - 1) &^ (a - 1) }

@@ -91,6 +91,16 @@ func TestCmdBufOffset(t *testing.T) {
 	}
 }
 
+func TestUserCopyPos(t *testing.T) {
+	// UBLKSRV_IO_BUF_OFFSET + (q_id << UBLK_QID_OFF) + (tag << UBLK_TAG_OFF)
+	if got := userCopyPos(0, 0); got != 0x80000000 {
+		t.Fatalf("queue 0 tag 0 at %#x", got)
+	}
+	if got, want := userCopyPos(1, 3), int64(0x80000000+1<<41+3<<25); got != want {
+		t.Fatalf("queue 1 tag 3 at %#x, want %#x", got, want)
+	}
+}
+
 func TestParseDevice(t *testing.T) {
 	for _, tc := range []struct {
 		in   string

@@ -9,12 +9,17 @@
 // thread (the kernel ties a queue's commands to the task that fetched
 // them) with its own io_uring (package uring). A READ is started on that
 // goroutine with the backend's Submitter, into a buffer the backend lends,
-// and committed to the kernel, which copies the data out of the buffer,
-// when the backend completes it. A WRITE first comes back as "need data"
-// (UBLK_F_NEED_GET_DATA): the goroutine lends a buffer of the backend, the
-// kernel copies the payload into it, and the write is submitted. So the
-// data moves between the kernel's pages and the backend's (registered)
-// memory with one copy, done by the kernel, and no allocation per request.
+// and committed to the kernel when the backend completes it; a WRITE is
+// given a buffer of the backend, filled with the request's data, and
+// submitted. Where the kernel has UBLK_F_USER_COPY (6.5+) the goroutine
+// moves the data itself, pwrite of a read's data to /dev/ublkcN before its
+// commit, pread of a write's data; on older kernels (or with
+// Options.NoUserCopy) the kernel copies a read's data from the buffer's
+// address at the commit, and a write first comes back as "need data"
+// (UBLK_F_NEED_GET_DATA) so the kernel copies its payload into the buffer
+// lent then. Either way the data moves between the kernel's pages and the
+// backend's (registered) memory with one copy and no allocation per
+// request.
 // The backend's completions reach the queue goroutine through a lock-free
 // list and an eventfd that the ring reads. Flushes, discards, write-zeroes
 // and requests whose buffer must be waited for run in a goroutine of their

@@ -130,7 +130,11 @@ type Options struct {
 	ID                                 int // the N of /dev/ublkbN; -1: the next free
 	Queues                             int // 0: one per CPU
 	Depth                              int // requests per queue; 0: DefaultDepth
-	Logger                             *zap.Logger
+	// NoUserCopy keeps to UBLK_F_NEED_GET_DATA (the kernel copies to and
+	// from the buffer's address) where UBLK_F_USER_COPY (6.5+: this
+	// process reads and writes the data on /dev/ublkcN) would be used.
+	NoUserCopy bool
+	Logger     *zap.Logger
 }
 
 // Defaults and limits.
@@ -163,6 +167,7 @@ type Device struct {
 	detachOnce sync.Once
 	detachErr  error
 	stopping   atomic.Bool // Detach runs: the kernel ending the slots is expected
+	userCopy   bool        // UBLK_F_USER_COPY: pread/pwrite the data, no addresses
 }
 
 // Attach makes the device, starts its queues and the device; it returns
@@ -211,8 +216,13 @@ func Attach(ctx context.Context, opts Options) (*Device, error) {
 
 // add sends ADD_DEV and SET_PARAMS.
 func (d *Device) add() error {
+	// User copy where the kernel has it (6.5+: it then drops
+	// NEED_GET_DATA), else "need data" for writes.
 	info := devInfo{queues: uint16(d.opts.Queues), depth: uint16(d.opts.Depth), maxIOBytes: MaxIO,
 		id: uint32(d.opts.ID), flags: fNeedGetData | fURingCmdCompInTsk | fCmdIoctlEncode}
+	if !d.opts.NoUserCopy {
+		info.flags |= fUserCopy
+	}
 	if d.opts.ID < 0 {
 		info.id = ^uint32(0)
 	}
@@ -220,8 +230,10 @@ func (d *Device) add() error {
 	info.marshal(&b)
 	_, err := d.ctrl.do(cmdAddDev, info.id, b[:], 0)
 	if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.EOPNOTSUPP) {
-		// A kernel before 6.4 knows the bare numbers only.
+		// A kernel before 6.4 knows the bare numbers only (and no user
+		// copy).
 		d.ctrl.legacy = true
+		info.flags &^= fUserCopy
 		info.marshal(&b)
 		_, err = d.ctrl.do(cmdAddDev, info.id, b[:], 0)
 		if err != nil {
@@ -235,11 +247,12 @@ func (d *Device) add() error {
 		return fmt.Errorf("ublk: add device: %w", err)
 	}
 	info.unmarshal(&b)
-	if info.flags&fNeedGetData == 0 {
-		d.del()
-		return errors.New("ublk: add device: the kernel does not do UBLK_F_NEED_GET_DATA")
-	}
 	d.id = int(info.id)
+	d.userCopy = info.flags&fUserCopy != 0
+	if !d.userCopy && info.flags&fNeedGetData == 0 {
+		d.del()
+		return errors.New("ublk: add device: the kernel does neither UBLK_F_USER_COPY nor UBLK_F_NEED_GET_DATA")
+	}
 	if int(info.queues) != d.opts.Queues || int(info.depth) != d.opts.Depth {
 		d.log.Info("ublk: the kernel changed the queues", zap.Uint16("queues", info.queues), zap.Uint16("depth", info.depth))
 		d.opts.Queues, d.opts.Depth = int(info.queues), int(info.depth)
@@ -768,7 +781,11 @@ func (q *queue) drain() {
 		t.next = nil
 		switch t.state {
 		case tagGotData:
-			q.ioCmd(t, ioNeedGetData, kindGetData, 0, bufAddr(t.buf))
+			if q.d.userCopy {
+				q.copyIn(t)
+			} else {
+				q.ioCmd(t, ioNeedGetData, kindGetData, 0, bufAddr(t.buf))
+			}
 		default:
 			q.commit(t)
 		}
@@ -784,6 +801,21 @@ func bufAddr(b *blockdev.Buffer) uint64 {
 // is freed once the entry is submitted: the kernel copies it then.
 func (q *queue) commit(t *tag) {
 	q.inflight--
+	if q.d.userCopy {
+		if b := t.buf; b != nil {
+			if t.op == opRead && t.res > 0 {
+				n, err := unix.Pwrite(q.d.charFD, b.Segs[0][:t.res], userCopyPos(q.id, t.idx))
+				if err != nil || n != int(t.res) {
+					q.log.Error("ublk: copying a read's data to the kernel", zap.Int("bytes", n), zap.Error(err))
+					t.res = -int32(unix.EIO)
+				}
+			}
+			q.d.opts.Backend.Free(b)
+			t.buf = nil
+		}
+		q.ioCmd(t, ioCommitAndFetch, kindFetch, t.res, 0)
+		return
+	}
 	addr := uint64(uintptr(unsafe.Pointer(&q.dummy[0])))
 	if t.buf != nil {
 		addr = bufAddr(t.buf)
@@ -868,7 +900,22 @@ func (q *queue) request(t *tag) {
 		q.inflight++
 		go q.slow(t)
 	case opWrite:
-		q.fail(t, unix.EIO) // writes come as "need data" first
+		if !q.d.userCopy {
+			q.fail(t, unix.EIO) // writes come as "need data" first
+			return
+		}
+		if t.n <= 0 || t.n > MaxIO || q.d.opts.ReadOnly {
+			q.fail(t, unix.EIO)
+			return
+		}
+		q.inflight++
+		b, ok := q.tryAlloc(t.n)
+		if !ok {
+			go q.slow(t) // lends the buffer, then the loop copies the data in
+			return
+		}
+		t.buf = b
+		q.copyIn(t)
 	default:
 		q.fail(t, unix.EOPNOTSUPP)
 	}
@@ -888,6 +935,20 @@ func (q *queue) lendForWrite(t *tag) {
 	}
 	t.buf = b
 	q.ioCmd(t, ioNeedGetData, kindGetData, 0, bufAddr(b))
+}
+
+// copyIn reads a write's data from the kernel into t.buf (user copy),
+// then submits it.
+func (q *queue) copyIn(t *tag) {
+	buf := t.buf.Segs[0][:t.n]
+	n, err := unix.Pread(q.d.charFD, buf, userCopyPos(q.id, t.idx))
+	if err != nil || n != t.n {
+		q.log.Error("ublk: copying a write's data from the kernel", zap.Int("bytes", n), zap.Error(err))
+		t.res = -int32(unix.EIO)
+		q.commit(t)
+		return
+	}
+	q.write(t)
 }
 
 // write submits a write whose data the kernel copied into t.buf.

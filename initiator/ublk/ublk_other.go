@@ -18,6 +18,7 @@ type Options struct {
 	Size                               uint64
 	ReadOnly, CanTrim, CanZero, CanFUA bool
 	ID, Queues, Depth                  int
+	NoUserCopy                         bool
 	Logger                             *zap.Logger
 }
 
