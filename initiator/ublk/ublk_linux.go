@@ -539,6 +539,7 @@ type queue struct {
 	iods  []byte
 	tags  []tag
 	efd   atomic.Int64 // -1 when closed
+	efdMu sync.RWMutex // wakers read-lock it, release write-locks it
 	one   [8]byte      // the eventfd write
 	evbuf [8]byte      // the eventfd read
 	dummy []byte       // the address committed with failed reads
@@ -576,9 +577,13 @@ func (q *queue) stop() {
 
 func (q *queue) wake() {
 	if q.wakePending.CompareAndSwap(false, true) {
+		// (read-locked: release must not close the descriptor, and the
+		// number be reused, between the load and the write)
+		q.efdMu.RLock()
 		if efd := q.efd.Load(); efd >= 0 {
 			unix.Write(int(efd), q.one[:])
 		}
+		q.efdMu.RUnlock()
 	}
 }
 
@@ -643,9 +648,11 @@ func (q *queue) release() {
 	if q.iods != nil {
 		unix.Munmap(q.iods)
 	}
+	q.efdMu.Lock()
 	if efd := q.efd.Swap(-1); efd >= 0 {
 		unix.Close(int(efd))
 	}
+	q.efdMu.Unlock()
 }
 
 // sqe returns a free entry, submitting what is queued when the ring is full.
