@@ -11,11 +11,13 @@
 #                                    $FIO_REPS times, interleaved: for each
 #                                    rep, for each job, each device in turn
 #                                    (the order rotates from rep to rep)
-#   fio_table CSV [NAME_A [NAME_B [NAME_C]]]
+#   fio_table CSV [NAME_A [NAME_B [NAME_C [NAME_X...]]]]
 #                                    side-by-side table from CSV, medians of
 #                                    the reps: job | A | B | B/A (IOPS)
 #                                    [| C | B/C] (defaults "nvme-of rdma" and
-#                                    "rblk"; C, e.g. "rblk-before", if given)
+#                                    "rblk"; C, e.g. "rblk-before", if not
+#                                    empty) [| X | X/A]... (more front ends,
+#                                    e.g. "rblk ublk", against A)
 #   fio_json CSV                     the CSV as a JSON array of objects
 #   fio_floors JSON                  the fabric's floor on $RBLK_VM_RDMA_DEV:
 #                                    perftest's ib_read_lat (4 KiB, QD1) and
@@ -134,9 +136,14 @@ fio_interleaved() {
 }
 
 fio_table() {
-	local csv=${1:?usage: fio_table CSV [NAME_A [NAME_B [NAME_C]]]}
-	local a=${2:-nvme-of rdma} b=${3:-rblk} c=${4:-}
-	awk -F, -v A="$a" -v B="$b" -v C="$c" '
+	local csv=${1:?usage: fio_table CSV [NAME_A [NAME_B [NAME_C [NAME_X...]]]]}
+	local a=${2:-nvme-of rdma} b=${3:-rblk} c=${4:-} x=''
+	if [ $# -gt 4 ]; then
+		shift 4
+		x=$(printf '%s|' "$@")
+		x=${x%|}
+	fi
+	awk -F, -v A="$a" -v B="$b" -v C="$c" -v X="$x" '
 	# med KEY FIELD: the median of the reps of (name, job) KEY for FIELD
 	function med(k, f,    n, i, j, t, v) {
 		n = cnt[k]
@@ -161,16 +168,21 @@ fio_table() {
 	}
 	END {
 		w = 52; rw = length(B "/" A); rc = length(B "/" C)
+		nx = (X == "") ? 0 : split(X, xs, "|")
 		printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", "job", A, B, B "/" A
-		if (C != "") printf " | %-" w "s | %s", C, B "/" C
+		if (nx == 0) rc = 0 # (the last column: no padding)
+		if (C != "") printf " | %-" w "s | %-" rc "s", C, B "/" C
+		for (q = 1; q <= nx; q++) printf " | %-" w "s | %s", xs[q], xs[q] "/" A
 		printf "\n"
 		line = sprintf("%-20s-+-%-" w "s-+-%-" w "s-+-%-" rw "s", "", "", "", "")
-		if (C != "") line = line sprintf("-+-%-" w "s-+-%-" rc "s", "", "")
+		if (C != "") line = line sprintf("-+-%-" w "s-+-%-" length(B "/" C) "s", "", "")
+		for (q = 1; q <= nx; q++) line = line sprintf("-+-%-" w "s-+-%-" length(xs[q] "/" A) "s", "", "")
 		gsub(/ /, "-", line); print line
 		for (i = 1; i <= n; i++) {
 			j = jobs[i]; ka = A SUBSEP j; kb = B SUBSEP j; kc = C SUBSEP j
 			printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", j, cell(ka), cell(kb), r(kb, ka)
-			if (C != "") printf " | %-" w "s | %s", cell(kc), r(kb, kc)
+			if (C != "") printf " | %-" w "s | %-" rc "s", cell(kc), r(kb, kc)
+			for (q = 1; q <= nx; q++) printf " | %-" w "s | %s", cell(xs[q] SUBSEP j), r(xs[q] SUBSEP j, ka)
 			printf "\n"
 		}
 		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO)\n", reps

@@ -19,6 +19,19 @@
 #              fresh attach: every checksum matches; fio --verify=crc32c;
 #              the same fio jobs on the kernel's NVMe-oF RDMA and on rblk:
 #              a table of both (fio-table.txt);
+#  ublk        rblk-attach --device ublk where the kernel has ublk_drv
+#              (6.12): one hardware queue per CPU, FLUSH enabled; fio
+#              verify at 4k QD1/32/128, 1M and randrw 64k; an fsync reaches
+#              rblkd (its flush count moves); ext4 with a file, sync,
+#              umount: the device reads back as rblkd's backing file, and
+#              after detach the file's sha256 matches in that image;
+#              write-zeroes reads back as zeroes, discard works; a
+#              --read-only attach refuses writes and reads the file's bytes;
+#              detach of a mounted device refused; detach and SIGTERM exit
+#              0 and leave no /dev/ublk*; after a SIGKILL of rblk-attach,
+#              detach removes the device the kernel kept. Without ublk_drv (6.1): attach
+#              --device ublk is refused at once in one line. bench gets a
+#              "rblk ublk" column where the kernel has it;
 #  small-cache a cache of a quarter of the volume: fio verify randrw over the
 #              whole volume passes, and rblkd evicted chunks and revoked
 #              grants (its /metrics);
@@ -178,6 +191,37 @@ detach() {
 	wait_exit "$APID" "rblk-attach attach"
 }
 
+# has_ublk: the kernel has ublk_drv (loaded now).
+has_ublk() { modprobe ublk_drv >/dev/null 2>&1 && [ -e /dev/ublk-control ]; }
+
+# attach_ublk LOG SIZE_MB ARGS...: rblk-attach --device ublk in the
+# background; sets APID and DEV (/dev/ublkbN, from its log) once the device
+# has the volume's size.
+attach_ublk() {
+	local log=$1 size=$(($2 << 20)) deadline rc
+	shift 2
+	DEV=''
+	"${ATTACH_BIN:-$BIN/rblk-attach}" attach --target "$TGT" --export vol --transport "$TRANSPORT" \
+		--host-id "$HOST_ID" --secret-file "$SECRET" --device ublk --metrics-listen "$AM" "$@" >"$LOGS/$log" 2>&1 &
+	APID=$!
+	pids+=("$APID")
+	deadline=$(($(date +%s) + 60))
+	until [ -n "$DEV" ] && [ "$(blockdev --getsize64 "$DEV" 2>/dev/null)" = "$size" ]; do
+		if ! running "$APID"; then
+			rc=0
+			wait "$APID" || rc=$?
+			fail "rblk-attach --device ublk exited $rc before attaching: $(tail -n 3 "$LOGS/$log")"
+		fi
+		[ "$(date +%s)" -lt "$deadline" ] || fail "no ublk device with the volume's size in 60 s: $(tail -n 3 "$LOGS/$log")"
+		DEV=$(grep -m1 -oE '"device": "/dev/ublkb[0-9]+"' "$LOGS/$log" | grep -oE '/dev/ublkb[0-9]+' || true)
+		sleep 0.2
+	done
+	echo "attached as $DEV (rblk-attach pid $APID)"
+}
+
+# no_ublk_devices: no /dev/ublkb* and no /dev/ublkc* left.
+no_ublk_devices() { ! compgen -G '/dev/ublk[bc][0-9]*' >/dev/null; }
+
 # fio_verify NAME FIO_ARGS...: fio with crc32c verify on $DEV; fail on an
 # error or a mismatch.
 fio_verify() {
@@ -266,7 +310,7 @@ scenario_cleanup() {
 	set +e
 	mountpoint -q "$WORK/mnt" && umount "$WORK/mnt"
 	nvmet_teardown >/dev/null 2>&1
-	if [ -n "${DEV:-}" ] && [ -e "/sys/block/${DEV#/dev/}/pid" ] && running "${APID:-0}"; then
+	if [ -n "${DEV:-}" ] && { [ -e "/sys/block/${DEV#/dev/}/pid" ] || [[ "$DEV" == /dev/ublkb* ]]; } && running "${APID:-0}"; then
 		echo "cleanup: detach --force $DEV"
 		"$BIN/rblk-attach" detach --force --wait 20s "$DEV" >/dev/null 2>&1
 	fi
@@ -404,7 +448,7 @@ scen_basic() {
 # fio-floors.json, fio-info.txt into the share.
 BENCH_MB=${BENCH_MB:-128}
 BENCH_QUEUES=${BENCH_QUEUES:-2}
-BENCH_PORT=7485 BENCH_BEFORE_PORT=7486
+BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
 # head (no queues of its own), its controller's I/O queues (queue_count
@@ -424,10 +468,15 @@ hw_queues() {
 
 scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
-	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd=''
+	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram=''
 	if [ -n "$before" ]; then
 		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
 		nram=3
+	fi
+	# On a kernel with ublk_drv, rblk-attach --device ublk gets a column too.
+	if has_ublk; then
+		uram=$nram
+		nram=$((nram + 1))
 	fi
 	step "brd: $nram RAM disks of $size MiB with the same random bytes"
 	if [ -e /sys/module/brd ]; then rmmod brd || fail "brd is loaded and busy"; fi
@@ -454,17 +503,24 @@ scen_bench() {
 		ATTACH_BIN=$before/rblk-attach attach attach-before.log "$size" --connections "$BENCH_QUEUES"
 		bdev=$DEV b_apid=$APID b_rblkd=$RBLKD
 	fi
+	if [ -n "$uram" ]; then
+		step "rblk ublk: rblkd on /dev/ram$uram, rblk-attach --device ublk --connections $BENCH_QUEUES"
+		SERVE_VOL=/dev/ram$uram serve rblkd-ublk.log "$BENCH_UBLK_PORT" "$size" --cache-size $((size + 32))M
+		attach_ublk attach-ublk.log "$size" --connections "$BENCH_QUEUES"
+		udev=$DEV u_apid=$APID u_rblkd=$RBLKD
+	fi
 	{
 		echo "kernel $(uname -r), $(nproc) CPUs; each device a brd RAM disk of $size MiB; fio $FIO_RAMP s warm + $FIO_RUNTIME s measured, ${FIO_REPS:-2} reps interleaved"
 		echo "nvme-of rdma: $nvme, $(hw_queues "$nvme") hardware queues (nvme connect --nr-io-queues $BENCH_QUEUES)"
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
+		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
 	} | tee "$BIN/fio-info.txt"
 
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
 	# no cache to warm)
 	step "warm-up (not measured): one sequential read of each rblk device"
-	for d in "$rblk_dev" ${bdev:+"$bdev"}; do
+	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"}; do
 		dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d"
 	done
 
@@ -472,6 +528,7 @@ scen_bench() {
 	rm -f "$csv"
 	local devs=("nvme-of rdma=$nvme" "rblk=$rblk_dev")
 	[ -z "$bdev" ] || devs+=("rblk-before=$bdev")
+	[ -z "$udev" ] || devs+=("rblk ublk=$udev")
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
@@ -479,7 +536,7 @@ scen_bench() {
 		{
 			grep '^fabric floor' "$BIN/fio-floors.txt"
 			cat "$BIN/fio-info.txt"
-			fio_table "$csv" "nvme-of rdma" rblk ${bdev:+rblk-before}
+			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"}
 		} | tee "$BIN/fio-table.txt"
 	fi
 	[ "$rc" = 0 ] || fail "a fio job failed"
@@ -491,9 +548,110 @@ scen_bench() {
 		DEV=$bdev APID=$b_apid detach
 		RBLKD=$b_rblkd stop_rblkd
 	fi
+	if [ -n "$udev" ]; then
+		DEV=$udev APID=$u_apid detach
+		RBLKD=$u_rblkd stop_rblkd
+	fi
 	DEV=$rblk_dev APID=$rblk_apid detach
 	RBLKD=$rblk_rblkd stop_rblkd
 	rmmod brd || fail "rmmod brd"
+}
+
+# ublk: rblk-attach --device ublk (Linux >= 6.0 with ublk_drv, e.g. 6.12);
+# on a kernel without the driver (Debian's 6.1), a fast refusal in one line.
+scen_ublk() {
+	local size=256 mnt=$WORK/mnt a f0 f1 sum
+	mkdir -p "$mnt"
+	if ! has_ublk; then
+		step "no ublk_drv in $(uname -r): --device ublk is refused at once, in one line"
+		# (a target nobody serves: the refusal comes before any contact)
+		refused noublk.log 'ublk: the kernel has no ublk_drv \(Linux >= 6\.0 with CONFIG_BLK_DEV_UBLK; modprobe ublk_drv\)' \
+			attach --target "$IP:9" --export vol --transport "$TRANSPORT" --host-id "$HOST_ID" --secret-file "$SECRET" --device ublk
+		[ "$(grep -c . "$LOGS/noublk.log")" = 1 ] || fail "more than one line: $(cat "$LOGS/noublk.log")"
+		return 0
+	fi
+	step "rblkd serve --transport $TRANSPORT; rblk-attach --device ublk"
+	serve rblkd.log 7487 "$size" --cache-size 384M
+	attach_ublk attach.log "$size"
+	for a in write_cache fua discard_max_bytes write_zeroes_max_bytes max_sectors_kb logical_block_size; do
+		printf '  %-24s %s\n' "$a" "$(cat "/sys/block/${DEV#/dev/}/queue/$a")"
+	done
+	echo "  hardware queues          $(hw_queues "$DEV") ($(nproc) CPUs)"
+	[ "$(cat "/sys/block/${DEV#/dev/}/queue/write_cache")" = "write back" ] || fail "FLUSH not enabled on $DEV"
+	[ "$(hw_queues "$DEV")" = "$(nproc)" ] || fail "$(hw_queues "$DEV") hardware queues, want one per CPU ($(nproc))"
+
+	step "fio --verify=crc32c on $DEV: 4k at QD1, 32 and 128, 1M at QD8, randrw 64k"
+	fio_verify ublk-4k-qd1 --rw=randwrite --bs=4k --iodepth=1 --size=4M
+	fio_verify ublk-4k-qd32 --rw=randwrite --bs=4k --iodepth=32 --size=32M
+	fio_verify ublk-4k-qd128 --rw=randwrite --bs=4k --iodepth=128 --numjobs=1 --size=32M
+	fio_verify ublk-1m-qd8 --rw=write --bs=1M --iodepth=8 --size=128M
+	fio_verify ublk-randrw-64k --rw=randrw --bs=64k --iodepth=16 --size=64M
+
+	step "write-zeroes reads back as zeroes; discard succeeds"
+	dd if=/dev/urandom of="$DEV" bs=1M count=2 oflag=direct status=none || fail "write 2 MiB"
+	blkdiscard -z -o 0 -l $((1 << 20)) "$DEV" || fail "blkdiscard -z (WRITE_ZEROES) on $DEV"
+	cmp -n $((1 << 20)) <(dd if="$DEV" bs=1M count=1 iflag=direct status=none) /dev/zero || fail "zeroed range does not read back as zeroes"
+	blkdiscard -o $((1 << 20)) -l $((1 << 20)) "$DEV" || fail "blkdiscard (DISCARD) on $DEV"
+	echo "write_zeroes ok: $(m 'rblkd_requests_total{op="write_zeroes",result="ok"}'), trims ok: $(m 'rblkd_requests_total{op="trim",result="ok"}')"
+
+	step "a flush reaches the target"
+	f0=$(m 'rblkd_requests_total{op="flush",result="ok"}')
+	flush_dev || fail "fsync of $DEV"
+	f1=$(m 'rblkd_requests_total{op="flush",result="ok"}')
+	echo "rblkd flushes: $f0 -> $f1"
+	[ "$f1" -gt "$f0" ] || fail "fsync of $DEV sent no flush to rblkd"
+
+	step "mkfs.ext4, mount, a file, sync, umount: the backing file holds the device's bytes"
+	mkfs.ext4 -q -F "$DEV" || fail "mkfs.ext4"
+	mount "$DEV" "$mnt" || fail "mount"
+	head -c $((24 << 20)) /dev/urandom >"$mnt/data" || fail "write a file"
+	sum=$(sha256sum <"$mnt/data" | cut -d' ' -f1)
+	f0=$(m 'rblkd_requests_total{op="flush",result="ok"}')
+	sync || fail "sync"
+	umount "$mnt" || fail "umount"
+	f1=$(m 'rblkd_requests_total{op="flush",result="ok"}')
+	[ "$f1" -gt "$f0" ] || fail "sync and umount sent no flush to rblkd ($f0 -> $f1)"
+	cmp <(dd if="$DEV" bs=1M iflag=direct status=none) "$VOL" || fail "$DEV and rblkd's backing file differ after a flush"
+	echo "$DEV reads back as rblkd's backing file ($size MiB); flushes $f0 -> $f1"
+
+	step "rblk-attach detach $DEV: it exits 0, no /dev/ublk* is left"
+	detach
+	no_ublk_devices || fail "left behind: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
+	[ "$(debugfs -R 'cat /data' "$VOL" 2>/dev/null | sha256sum | cut -d' ' -f1)" = "$sum" ] ||
+		fail "the file in the backing file's ext4 differs from what was written"
+	e2fsck -fn "$VOL" >"$LOGS/e2fsck.log" 2>&1 || fail "e2fsck: $(tail -n 5 "$LOGS/e2fsck.log")"
+	echo "the file in the backing file's ext4 has the sha256 written; e2fsck clean"
+
+	step "attach again, mount, SIGTERM while mounted-then-unmounted: exits 0, no /dev/ublk* left"
+	attach_ublk attach2.log "$size"
+	mount "$DEV" "$mnt" || fail "mount again"
+	[ "$(sha256sum <"$mnt/data" | cut -d' ' -f1)" = "$sum" ] || fail "the file differs after a re-attach"
+	"$BIN/rblk-attach" detach "$DEV" >"$LOGS/detach-busy.log" 2>&1 && fail "detach of a mounted $DEV was not refused"
+	grep -q 'in use' "$LOGS/detach-busy.log" || fail "detach of a mounted device: $(cat "$LOGS/detach-busy.log")"
+	umount "$mnt" || fail "umount"
+	kill -TERM "$APID"
+	wait_exit "$APID" "rblk-attach attach (SIGTERM)"
+	no_ublk_devices || fail "left behind after SIGTERM: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
+	grep -q 'detached cleanly' "$LOGS/attach2.log" || fail "no clean detach in the log: $(tail -n 3 "$LOGS/attach2.log")"
+
+	step "attach --read-only: the device is read-only, a write fails, reads work"
+	attach_ublk attach-ro.log "$size" --read-only
+	[ "$(blockdev --getro "$DEV")" = 1 ] || fail "$DEV is not read-only"
+	if dd if=/dev/zero of="$DEV" bs=4k count=1 oflag=direct status=none 2>"$LOGS/ro-write.log"; then fail "a write to read-only $DEV succeeded"; fi
+	cmp -n $((4 << 20)) <(dd if="$DEV" bs=1M count=4 iflag=direct status=none) "$VOL" || fail "read-only $DEV reads other bytes than the backing file"
+	echo "read-only: write refused ($(head -n 1 "$LOGS/ro-write.log")), reads match"
+	detach
+
+	step "rblk-attach killed with SIGKILL: rblk-attach detach removes what the kernel kept"
+	attach_ublk attach3.log "$size"
+	kill -KILL "$APID"
+	wait "$APID" 2>/dev/null || true
+	sleep 1
+	echo "after SIGKILL: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
+	"$BIN/rblk-attach" detach "$DEV" >"$LOGS/detach-killed.log" 2>&1 || fail "detach after SIGKILL: $(cat "$LOGS/detach-killed.log")"
+	cat "$LOGS/detach-killed.log"
+	wait_for 10 no_ublk_devices || fail "left behind after SIGKILL and detach: $(compgen -G '/dev/ublk[bc][0-9]*' | tr '\n' ' ')"
+	stop_rblkd
 }
 
 scen_small_cache() {
@@ -634,7 +792,7 @@ scen_link_fault() {
 # BadRKey and Deregistered tests make rxe complete work requests with remote
 # access and operation errors on purpose; 6.12's rxe logs each one).
 DMESG_FATAL='Call Trace|BUG:|kernel BUG|WARNING:|blocked for more than|hung_task|Oops|general protection fault|soft lockup|hard LOCKUP|rcu.*(stall|detected stalls)|UBSAN|KASAN|list_(add|del) corruption|refcount_t:|I/O error|EXT4-fs error'
-DMESG_DRIVER='(rxe|rdma|infiniband|ib_|nbd|nvme).*(err|fail|warn|timeout|timed out|stuck|abort|reset)'
+DMESG_DRIVER='(rxe|rdma|infiniband|ib_|nbd|nvme|ublk).*(err|fail|warn|timeout|timed out|stuck|abort|reset)'
 DMESG_ALLOW='^$'
 DMESG_ALLOW_VERBS='rxe[0-9]+: qp#[0-9]+ (make_send_cqe|do_complete): non-flush error status = [0-9]+$'
 # DMESG_ALLOW_SECURITY: the fenced holder's writes fail (EIO) on purpose, and
@@ -737,7 +895,7 @@ during $name: $(wc -l <<<"$bad") lines
 $(sed -E 's/^\[ *[0-9.]+\] //; s/sector [0-9]+/sector N/' <<<"$bad" | sort | uniq -c | sort -rn | head -n 12)"
 	done
 	[ -z "$found" ] || fail "the kernel log has bad lines (logs/dmesg/findings-*.txt):$found"
-	echo "no call trace, BUG, WARNING, blocked task, I/O error or rxe/rdma/nbd/nvme error in $(cat "$WORK"/logs/*/kernel.log | wc -l) lines"
+	echo "no call trace, BUG, WARNING, blocked task, I/O error or rxe/rdma/nbd/nvme/ublk error in $(cat "$WORK"/logs/*/kernel.log | wc -l) lines"
 }
 
 # rxe_table: the counters that moved, one column a scenario.
@@ -777,6 +935,7 @@ dmesg >"$WORK/logs/boot/kernel.log"
 if [ -x "$BIN/rdma.test" ]; then scenario verbs scen_verbs; fi
 scenario security scen_security
 scenario basic scen_basic
+scenario ublk scen_ublk
 scenario bench scen_bench
 scenario small-cache scen_small_cache
 scenario chunk-64k scen_chunk_64k

@@ -18,6 +18,7 @@ import (
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/initiator/ublk"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/transport/providers"
 )
@@ -45,7 +46,7 @@ type attachFlags struct {
 func newAttachCmd() *cobra.Command {
 	var f attachFlags
 	cmd := &cobra.Command{
-		Use:   "attach --target HOST:PORT --export NAME (--nbd-listen unix:PATH|tcp:HOST:PORT | --device /dev/nbdN|auto)",
+		Use:   "attach --target HOST:PORT --export NAME (--nbd-listen unix:PATH|tcp:HOST:PORT | --device /dev/nbdN|auto|ublk|/dev/ublkbN)",
 		Short: "Attach a volume and serve it over NBD, or as /dev/nbdN, until SIGINT or SIGTERM",
 		Long: `Attach opens a volume on an rblk target and serves it as an NBD export,
 by the volume's name and as the default export. Reads are one-sided RDMA READs
@@ -56,7 +57,11 @@ flushes the volume and detaches.
 With --device it attaches the volume to this host's kernel as /dev/nbdN instead
 (root, and the nbd module: modprobe nbd). On SIGINT or SIGTERM it disconnects
 the device first (the kernel fails what is still in flight on it: unmount
-first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.`,
+first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.
+
+With --device ublk (or /dev/ublkbN) it attaches as /dev/ublkbN through the
+kernel's ublk driver (Linux >= 6.0, modprobe ublk_drv): one io_uring queue per
+CPU (--connections sets how many), same lifecycle.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return attach(f) },
 	}
@@ -183,6 +188,9 @@ func attach(f attachFlags) error {
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
+	}
+	if ublk.IsDevice(f.dev.device) {
+		return serveUblk(ctx, f, vol, log, why)
 	}
 	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{nbdExport(vol, f.export)}, Logger: log,
 		Metrics: nbd.NewMetrics(reg)})

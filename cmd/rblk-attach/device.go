@@ -15,6 +15,7 @@ import (
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
+	"github.com/rblk/rblk/initiator/ublk"
 )
 
 // deviceFlags are the flags of attach --device (the kernel's /dev/nbdN).
@@ -25,8 +26,8 @@ type deviceFlags struct {
 }
 
 func (d *deviceFlags) register(fl *pflag.FlagSet) {
-	fl.StringVar(&d.device, "device", "", "attach as the block device /dev/nbdN, or auto for the first free one (needs root and modprobe nbd; this or --nbd-listen)")
-	fl.IntVar(&d.connections, "connections", 0, fmt.Sprintf("with --device: sockets the kernel gets (0: number of CPUs, at most %d)", kernel.MaxConnections))
+	fl.StringVar(&d.device, "device", "", "attach as the block device /dev/nbdN, or auto for the first free one (needs root and modprobe nbd); or as /dev/ublkbN, or ublk for the next free one (Linux >= 6.0 with ublk_drv); this or --nbd-listen")
+	fl.IntVar(&d.connections, "connections", 0, fmt.Sprintf("with --device: sockets the kernel gets (0: number of CPUs, at most %d); for ublk, its queues (0: one per CPU)", kernel.MaxConnections))
 	fl.DurationVar(&d.timeout, "request-timeout", kernel.DefaultTimeout, "with --device: how long the kernel waits for one request before giving up on its connection (0: no limit; by default at least --reconnect-timeout + 1m)")
 }
 
@@ -45,6 +46,8 @@ func (d *deviceFlags) check(nbdListen string) error {
 		return errors.New("--connections: want 0 (automatic) or more")
 	case d.device == "":
 		return nil
+	case ublk.IsDevice(d.device):
+		return d.checkUblk()
 	}
 	if _, err := kernel.ParseDevice(d.device); err != nil {
 		return fmt.Errorf("--device: %w", err)
@@ -125,11 +128,12 @@ func newDetachCmd() *cobra.Command {
 	var force bool
 	var wait time.Duration
 	cmd := &cobra.Command{
-		Use:   "detach /dev/nbdN",
-		Short: "Disconnect an NBD device attached by rblk-attach attach --device",
+		Use:   "detach /dev/nbdN|/dev/ublkbN",
+		Short: "Disconnect a device attached by rblk-attach attach --device",
 		Long: `Detach disconnects /dev/nbdN. The rblk-attach process serving it finishes the
 requests it has, flushes the volume, closes it and exits 0; detach waits for that
-(--wait), so that the data is durable when it returns. A device in use (mounted)
+(--wait), so that the data is durable when it returns. For /dev/ublkbN it asks
+the serving rblk-attach (SIGTERM) to stop and delete the device. A device in use (mounted)
 is refused unless --force: its users would get IO errors.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error { return detach(args[0], force, wait) },
@@ -140,6 +144,9 @@ is refused unless --force: its users would get IO errors.`,
 }
 
 func detach(dev string, force bool, wait time.Duration) error {
+	if ublk.IsDevice(dev) {
+		return detachUblk(dev, force, wait)
+	}
 	st, err := kernel.Stat(dev)
 	if err != nil {
 		return err

@@ -22,6 +22,8 @@ func TestDeviceFlagsCheck(t *testing.T) {
 		{deviceFlags{device: "auto", connections: -1, timeout: kernel.DefaultTimeout}, "", "--connections: want 0 (automatic) or more"},
 		{deviceFlags{device: "/dev/sda", timeout: kernel.DefaultTimeout}, "", "--device: device \"/dev/sda\": want /dev/nbdN or auto"},
 		{deviceFlags{timeout: kernel.DefaultTimeout}, "unix:/x", ""},
+		{deviceFlags{device: "ublk", timeout: time.Second}, "", "--request-timeout goes with NBD devices: ublk requests wait as long as the volume's IO (--io-timeout, --reconnect-timeout)"},
+		{deviceFlags{device: "/dev/ublkc0", timeout: kernel.DefaultTimeout}, "", "--device: device \"/dev/ublkc0\": want /dev/nbdN or auto"},
 	} {
 		err := c.d.check(c.nbdListen)
 		got := ""
