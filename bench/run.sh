@@ -187,8 +187,14 @@ start_rblk() {
 		running "$tpid" || die "$name: rblkd exited: $(tail -n 3 "$OUT/logs/$name-rblkd.log")"
 		sleep 0.1
 	done
+	# Two queues, one per NBD connection of the QD16 x 2 job (a build
+	# without --queues has one).
+	local queues=()
+	if "$bin/rblk-attach" attach --help 2>&1 | grep -q -- --queues; then
+		queues=(--queues 2)
+	fi
 	"$bin/rblk-attach" attach --target "127.0.0.1:$port" --export vol --transport tcp --host-id bench \
-		--nbd-listen "unix:$WORK/$name.sock" >"$OUT/logs/$name-attach.log" 2>&1 &
+		--nbd-listen "unix:$WORK/$name.sock" "${queues[@]}" >"$OUT/logs/$name-attach.log" 2>&1 &
 	apid=$!
 	ATTACH_PIDS+=("$apid")
 	wait_sock "$WORK/$name.sock" "$tpid" "$apid" || die "$name: no NBD socket: $(tail -n 3 "$OUT/logs/$name-attach.log")"
