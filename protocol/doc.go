@@ -145,19 +145,22 @@
 //     to the new size from then on. A volume never shrinks: an initiator
 //     ignores a Resize that is not larger than the size it knows, and a
 //     reconnecting initiator takes a larger VolumeInfo size as a Resize.
-//
-//	initiator                                               target
-//	                              <-------------------------  Revoke{1, last chunk, gen 9}
-//	 RevokeAck{1, last chunk, 9}  ------------------------->
-//	                              <-------------------------  Resize{1, 3 GiB} (tag 0)
-//	 GrantRequest{1, write, off}  ------------------------->  (off beyond the old size)
-//
 //   - Any request may be answered by Error, with the request's tag, instead of
 //     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
 //     matches with ErrStale, ErrPerm and the like. CodeStale means the grant
 //     is unknown or revoked: ask for a new one; or, for Done and Flush, that
 //     the session's generation is older than the target's current one for
 //     that host ID and export: the session was fenced.
+//
+// A volume growing to 3 GiB while a session holds the grant of its short
+// last chunk:
+//
+//	initiator                                               target
+//	                              <-------------------------  Revoke{1, last chunk, gen 9}
+//	 RevokeAck{1, last chunk, 9}  ------------------------->
+//	                              <-------------------------  Resize{1, 3 GiB} (tag 0)
+//	 GrantRequest{1, write, off}  ------------------------->  (off beyond the old size)
+//	                              <-------------------------  Grant{1, write, chunk, ...}
 //
 // Requests, who sends them and their replies:
 //
