@@ -140,8 +140,8 @@ type volume struct {
 	name     string
 	path     string
 	readOnly bool
-	file     *os.File // the backing file, closed with the volume
-	f        Store    // file, or what Options.WrapStore put in front of it
+	file     *os.File      // the backing file, closed with the volume
+	f        Store         // file, or what Options.WrapStore put in front of it
 	size     atomic.Uint64 // bytes; grows online (Target.Grow), never shrinks
 	blockDev bool
 	growMu   sync.Mutex // serializes Grow
