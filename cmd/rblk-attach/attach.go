@@ -204,7 +204,7 @@ func attach(f attachFlags) error {
 	}
 	log.Info("attached", zap.String("export", f.export), zap.String("target", f.target), zap.String("transport", why),
 		zap.String("nbd", f.nbdListen), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()))
-	grow.set(vol.Size(), vol, grow.nbdSocket)
+	grow.set(vol.Size(), vol.Size(), grow.nbdSocket)
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ctx, ln) }()

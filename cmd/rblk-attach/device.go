@@ -101,7 +101,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()),
 		zap.Int("connections", dev.Connections()))
-	grow.set(exp.Size, vol, grow.nbdDevice(dev))
+	grow.set(exp.Size, vol.Size(), grow.nbdDevice(dev))
 
 	var runErr error
 	select {

@@ -8,7 +8,6 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 )
 
@@ -45,12 +44,13 @@ func (g *growHook) onResize(oldSize, newSize uint64) {
 }
 
 // set makes resize the front end's, which was set up with the size
-// attached; a grow since then is passed on at once.
-func (g *growHook) set(attached uint64, vol *initiator.Volume, resize func(oldSize, newSize uint64)) {
+// attached; a grow since then (the volume's size is now) is passed on at
+// once.
+func (g *growHook) set(attached, now uint64, resize func(oldSize, newSize uint64)) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.resize, g.current = resize, attached
-	if now := vol.Size(); now > attached {
+	if now > attached {
 		resize(attached, now)
 		g.current = now
 	}

@@ -54,7 +54,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", ro),
 		zap.Int("queues", dev.Queues()))
-	grow.set(size, vol, grow.ublkDevice(dev.Path()))
+	grow.set(size, vol.Size(), grow.ublkDevice(dev.Path()))
 
 	var runErr error
 	select {
