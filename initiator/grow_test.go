@@ -167,7 +167,7 @@ func TestGrowOnline(t *testing.T) {
 
 // TestGrowWhileAway: the volume grows while its connection is down (the
 // target restarted over a larger file): the reconnection takes the larger
-// size and calls OnResize; a smaller one would be refused.
+// size and calls OnResize.
 func TestGrowWhileAway(t *testing.T) {
 	const oldSize, newSize = 1 << 20, 2 << 20
 	path := filepath.Join(t.TempDir(), "vol.img")
@@ -191,5 +191,38 @@ func TestGrowWhileAway(t *testing.T) {
 	}
 	if got, err := read(t, v, 0, 4); err != nil || string(got) != "kept" {
 		t.Fatalf("read after reconnecting: %q, %v", got, err)
+	}
+}
+
+// TestShrunkWhileAway: a target that comes back with a smaller volume is
+// not taken: the volume fails, saying it changed, once its reconnect
+// timeout has passed, and OnResize is never called.
+func TestShrunkWhileAway(t *testing.T) {
+	const oldSize = 2 << 20
+	path := filepath.Join(t.TempDir(), "vol.img")
+	r := startTargetAt(t, path, "127.0.0.1:0", oldSize, 1<<20, 64<<10, false)
+	events := make(resizeEvents, 4)
+	v := r.openWith(initiator.Options{HostID: "host-a", OnResize: events.hook, ReconnectTimeout: time.Second})
+	addr := r.addr
+	r.stop()
+	if err := os.Truncate(path, oldSize/2); err != nil {
+		t.Fatal(err)
+	}
+	startTargetAt(t, path, addr, 0, 1<<20, 64<<10, false)
+	select {
+	case <-v.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the volume took a target whose volume shrank")
+	}
+	if err := v.Err(); err == nil || !strings.Contains(err.Error(), "changed") {
+		t.Fatalf("volume failed with %v, want it to say the volume changed", err)
+	}
+	if v.Size() != oldSize {
+		t.Fatalf("size %d after a shrunk target, want %d", v.Size(), oldSize)
+	}
+	select {
+	case ev := <-events:
+		t.Fatalf("OnResize(%d, %d) for a shrunk volume", ev[0], ev[1])
+	default:
 	}
 }
