@@ -359,3 +359,76 @@ func TestGrowUnderIO(t *testing.T) {
 		t.Fatalf("backing file %v, %v; want %d bytes", st, err, sizes[len(sizes)-1])
 	}
 }
+
+// gatedStore holds the first read at off until release is closed,
+// signalling entered when it starts waiting.
+type gatedStore struct {
+	target.Store
+	off      int64
+	once     sync.Once
+	entered  chan struct{}
+	released chan struct{}
+}
+
+func (g *gatedStore) ReadAt(p []byte, off int64) (int, error) {
+	if off == g.off {
+		g.once.Do(func() {
+			close(g.entered)
+			<-g.released
+		})
+	}
+	return g.Store.ReadAt(p, off)
+}
+
+// TestGrowDuringLoad: the short last chunk is being loaded (its read held)
+// when the volume grows: the grant that waited for the load is of the
+// whole chunk, since the new size was in effect before it was answered.
+func TestGrowDuringLoad(t *testing.T) {
+	const oldSize, newSize = 96 << 10, 256 << 10
+	gate := &gatedStore{off: 64 << 10, entered: make(chan struct{}), released: make(chan struct{})}
+	e, _ := startWith(t, make([]byte, oldSize), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, DrainTimeout: time.Second,
+		WrapStore: func(_ string, f *os.File) target.Store { gate.Store = f; return gate }}, target.ExportConfig{Shared: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, _ := e.dialNotices(ctx, protocol.ModeReadWrite)
+	granted := make(chan error, 1)
+	var g protocol.Grant
+	go func() {
+		granted <- c.Request(ctx, &protocol.GrantRequest{Handle: c.info.Handle, Flags: protocol.GrantWrite, Offset: 70000}, &g)
+	}()
+	select {
+	case <-gate.entered:
+	case <-ctx.Done():
+		t.Fatal("the chunk's load did not start")
+	}
+	grown := make(chan error, 1)
+	go func() { grown <- e.tg.Grow(ctx, "vol", newSize) }()
+	// The new size is in effect (a new open sees it) while the load is held.
+	for {
+		c2, err := e.dial(protocol.ModeReadOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c2.Close()
+		if c2.info.VolumeSize == newSize {
+			break
+		}
+		select {
+		case err := <-grown:
+			t.Fatalf("Grow returned (%v) while a load of the chunk it must refit was held", err)
+		case <-ctx.Done():
+			t.Fatal("the new size is not in effect")
+		default:
+		}
+	}
+	close(gate.released)
+	if err := <-granted; err != nil {
+		t.Fatal(err)
+	}
+	if err := <-grown; err != nil {
+		t.Fatal(err)
+	}
+	if g.Offset != 64<<10 || g.Length != 64<<10 {
+		t.Fatalf("grant answered after the grow: %+v, want the whole chunk (64 KiB at 64 KiB)", g)
+	}
+}
