@@ -6,6 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +20,7 @@ import (
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/transporttest"
 )
 
 // notice is a message the target sent on its own: a Revoke (acknowledged
@@ -430,5 +434,52 @@ func TestGrowDuringLoad(t *testing.T) {
 	}
 	if g.Offset != 64<<10 || g.Length != 64<<10 {
 		t.Fatalf("grant answered after the grow: %+v, want the whole chunk (64 KiB at 64 KiB)", g)
+	}
+}
+
+// TestGrowBlockDevice: an export on a block device (a loop device) grows
+// only once the device is that large: before, the grow is refused saying
+// to enlarge it; after the device grew (losetup -c), it succeeds. Needs
+// root and losetup (skipped otherwise).
+func TestGrowBlockDevice(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a loop device")
+	}
+	if _, err := exec.LookPath("losetup"); err != nil {
+		t.Skip("needs losetup (util-linux)")
+	}
+	img := filepath.Join(t.TempDir(), "backing.img")
+	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Skipf("no loop device: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+
+	transporttest.CheckGoroutines(t)
+	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: dev}}, CacheSize: 1 << 20, ChunkSize: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	ctx := context.Background()
+	err = tg.Grow(ctx, "vol", 2<<20)
+	if !errors.Is(err, target.ErrBackingTooSmall) || !strings.Contains(err.Error(), dev) || !strings.Contains(err.Error(), "enlarge it first") {
+		t.Fatalf("grow past the device: %v, want ErrBackingTooSmall naming %s and what to do", err, dev)
+	}
+	if err := os.Truncate(img, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c %s: %v: %s", dev, err, out)
+	}
+	if err := tg.Grow(ctx, "vol", 2<<20); err != nil {
+		t.Fatalf("grow once the device grew: %v", err)
+	}
+	if err := tg.Grow(ctx, "vol", 3<<20); !errors.Is(err, target.ErrBackingTooSmall) {
+		t.Fatalf("grow past the device again: %v, want ErrBackingTooSmall", err)
 	}
 }
