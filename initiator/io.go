@@ -135,8 +135,9 @@ func (v *Volume) check(off, n uint64) error {
 	if n == 0 {
 		return nil
 	}
-	if off >= v.info.VolumeSize || n > v.info.VolumeSize-off {
-		return fmt.Errorf("range %d+%d beyond the volume's %d bytes: %w", off, n, v.info.VolumeSize, syscall.EINVAL)
+	size := v.Size()
+	if off >= size || n > size-off {
+		return fmt.Errorf("range %d+%d beyond the volume's %d bytes: %w", off, n, size, syscall.EINVAL)
 	}
 	return nil
 }

@@ -19,6 +19,7 @@ type Metrics struct {
 	errors         *prometheus.CounterVec
 	sessions       prometheus.Gauge
 	reconnects     prometheus.Counter
+	resizes        prometheus.Counter // see resize.go
 
 	// The children of the IO path's vectors, resolved once: index 0 for
 	// reads, 1 for writes.
@@ -75,5 +76,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
 			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects)
 	}
+	m.registerResize(reg)
 	return m
 }

@@ -74,10 +74,12 @@ func (v *Volume) dialQueue(ctx context.Context, first *session) (*session, error
 		if err != nil {
 			return fmt.Errorf("join queue to session generation %d of volume %q on %s: %w", first.info.Generation, v.opts.Export, v.opts.Target, err)
 		}
-		if s.info.Generation != first.info.Generation || s.info.VolumeSize != first.info.VolumeSize || s.info.ChunkSize != first.info.ChunkSize {
-			return fmt.Errorf("join queue to volume %q: target reports generation %d, size %d, chunk size %d, the session has %d, %d, %d: %w",
-				v.opts.Export, s.info.Generation, s.info.VolumeSize, s.info.ChunkSize,
-				first.info.Generation, first.info.VolumeSize, first.info.ChunkSize, protocol.ErrProtocol)
+		// (The size may have grown since the first queue opened: dial
+		// took it.)
+		if s.info.Generation != first.info.Generation || s.info.ChunkSize != first.info.ChunkSize {
+			return fmt.Errorf("join queue to volume %q: target reports generation %d, chunk size %d, the session has %d, %d: %w",
+				v.opts.Export, s.info.Generation, s.info.ChunkSize,
+				first.info.Generation, first.info.ChunkSize, protocol.ErrProtocol)
 		}
 		return nil
 	})

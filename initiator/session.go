@@ -93,10 +93,13 @@ func (v *Volume) dial(ctx context.Context, open func(s *session) error) (*sessio
 		l.Close()
 		return nil, fmt.Errorf("open volume %q: target reports size %d, chunk size %d: %w", v.opts.Export, s.info.VolumeSize, s.info.ChunkSize, protocol.ErrProtocol)
 	}
-	if v.info.ChunkSize != 0 && (s.info.VolumeSize != v.info.VolumeSize || s.info.ChunkSize != v.info.ChunkSize) {
+	if v.info.ChunkSize != 0 && (s.info.VolumeSize < v.Size() || s.info.ChunkSize != v.info.ChunkSize) {
 		l.Close()
 		return nil, fmt.Errorf("volume %q changed on %s: size %d, chunk size %d, was %d and %d", v.opts.Export, v.opts.Target,
-			s.info.VolumeSize, s.info.ChunkSize, v.info.VolumeSize, v.info.ChunkSize)
+			s.info.VolumeSize, s.info.ChunkSize, v.Size(), v.info.ChunkSize)
+	}
+	if v.info.ChunkSize != 0 {
+		v.grew(s.info.VolumeSize) // grown while the volume was away
 	}
 	s.grants = newGrantTable(s.info.ChunkSize)
 	s.region, err = l.Conn().Register(v.mem.Bytes(), transport.AccessLocalWrite)
@@ -131,6 +134,14 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 			defer s.wg.Done()
 			s.revoke(h.Tag, &r)
 		}()
+	case protocol.TypeResize:
+		var r protocol.Resize
+		if err := r.Unmarshal(payload); err != nil {
+			s.protocolError(fmt.Errorf("decode Resize: %w", err))
+			return
+		}
+		// (A Volume has one handle per connection: the notice is its.)
+		s.v.grew(r.VolumeSize)
 	case protocol.TypeError:
 		var em protocol.ErrorMsg
 		if err := em.Unmarshal(payload); err != nil {

@@ -90,6 +90,11 @@ type Options struct {
 	Logger *zap.Logger
 	// Metrics, if not nil, are updated; see NewMetrics.
 	Metrics *Metrics
+	// OnResize, if set, is called when the volume grew on the target
+	// (its Resize notice, or a larger size on a reconnection), after Size
+	// reports the new size: a front end tells its device. Calls are made
+	// one at a time, in order, on a goroutine of their own.
+	OnResize func(oldSize, newSize uint64)
 }
 
 // Volume is an open remote volume. It implements blockdev.Backend: reads are
@@ -103,12 +108,14 @@ type Options struct {
 // any (writes since the last successful flush), the next Flush fails with EIO
 // once, as a disk reports a lost volatile write cache.
 type Volume struct {
-	opts Options
-	log  *zap.Logger
-	m    *Metrics
-	info protocol.VolumeInfo // of the first session: size, chunk size, flags
-	mem  *transport.Memory
-	pool *bufPool
+	opts   Options
+	log    *zap.Logger
+	m      *Metrics
+	info   protocol.VolumeInfo // of the first session: chunk size, flags
+	size   atomic.Uint64       // bytes: the first session's, larger once the volume grew (resize.go)
+	resize resizer
+	mem    *transport.Memory
+	pool   *bufPool
 
 	mu      sync.Mutex
 	cond    *sync.Cond    // signalled when a grant's refs drop to zero
@@ -190,6 +197,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 		return nil, err
 	}
 	v.info = s.info
+	v.grew(s.info.VolumeSize)
 	set := v.join(ctx, s)
 	v.set = set
 	v.m.sessions.Set(1)
@@ -205,8 +213,9 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	return v, nil
 }
 
-// Size is the volume's size in bytes.
-func (v *Volume) Size() uint64 { return v.info.VolumeSize }
+// Size is the volume's size in bytes: it grows when the target grows the
+// volume online (see Options.OnResize).
+func (v *Volume) Size() uint64 { return v.size.Load() }
 
 // ReadOnly reports whether writes are refused.
 func (v *Volume) ReadOnly() bool {
@@ -264,6 +273,7 @@ func (v *Volume) Close(ctx context.Context) error {
 			set.teardown()
 		}
 		v.fail(ErrClosed)
+		v.resize.wg.Wait()
 		v.mem.Free()
 		v.m.sessions.Set(0)
 		v.closeErr = errors.Join(errs...)

@@ -135,12 +135,32 @@
 //     same host, and reconnecting would fence that one in turn. (A session
 //     fenced because its own initiator reconnected never sees the notice:
 //     its initiator has already left that connection.)
+//   - When a volume grows online (rblkd export grow), the target first makes
+//     the new size its own (the backing file extended, every size check and
+//     later VolumeInfo and ExportList with the new size; a cached last chunk
+//     that was short is revoked, so that its grant is asked again with the
+//     new length), then sends Resize, a notice with tag 0 and no reply, on
+//     every connection that has the volume open (each queue of a session)
+//     with the handle and the new size. The initiator may use the range up
+//     to the new size from then on. A volume never shrinks: an initiator
+//     ignores a Resize that is not larger than the size it knows, and a
+//     reconnecting initiator takes a larger VolumeInfo size as a Resize.
 //   - Any request may be answered by Error, with the request's tag, instead of
 //     its reply; ErrorMsg.Err turns it into a *RemoteError, which errors.Is
 //     matches with ErrStale, ErrPerm and the like. CodeStale means the grant
 //     is unknown or revoked: ask for a new one; or, for Done and Flush, that
 //     the session's generation is older than the target's current one for
 //     that host ID and export: the session was fenced.
+//
+// A volume growing to 3 GiB while a session holds the grant of its short
+// last chunk:
+//
+//	initiator                                               target
+//	                              <-------------------------  Revoke{1, last chunk, gen 9}
+//	 RevokeAck{1, last chunk, 9}  ------------------------->
+//	                              <-------------------------  Resize{1, 3 GiB} (tag 0)
+//	 GrantRequest{1, write, off}  ------------------------->  (off beyond the old size)
+//	                              <-------------------------  Grant{1, write, chunk, ...}
 //
 // Requests, who sends them and their replies:
 //
@@ -157,13 +177,14 @@
 //	Revoke         target      RevokeAck (never Error)
 //	KeepAlive      either      OK (never Error)
 //	Credit         either      none (never Error)
+//	Resize         target      none: a notice, tag 0 (never Error)
 //
 // A tag is chosen by the sender of a request and is not reused while a reply
 // to it may still come (a Done without DoneFUA may still be answered by
 // Error); a counter is simplest. Each side has its own tag space: a reply is
 // matched with the requests its receiver sent. The replies are Error,
-// ExportList, VolumeInfo, Grant, RevokeAck and OK; the other types but Hello
-// are requests. An OK can thus come to either side: the initiator gets it
+// ExportList, VolumeInfo, Grant, RevokeAck and OK; Resize (and Error with
+// tag 0) are the target's notices; the other types but Hello are requests. An OK can thus come to either side: the initiator gets it
 // for its requests, the target for its KeepAlives.
 //
 // # Flow control
@@ -438,6 +459,16 @@
 //	8 | challenge (32 bytes)                                          ~
 //	  +---------------------------------------------------------------+
 //	40| identity (identity len bytes)                                 ~
+//	  +---------------------------------------------------------------+
+//
+// Resize (24), 16 bytes, a notice (tag 0). Handle is the connection's
+// handle of the volume; volume size its new size in bytes, never 0.
+//
+//	    0       1       2       3       4       5       6       7
+//	  +-------------------------------+-------------------------------+
+//	0 |            handle             |           reserved            |
+//	  +-------------------------------+-------------------------------+
+//	8 |                          volume size                          |
 //	  +---------------------------------------------------------------+
 //
 // AuthResponse (21) and AuthAccept (22), 32 bytes: the proof, an

@@ -186,6 +186,7 @@ func FuzzClose(f *testing.F)         { fuzzPayload(f, protocol.TypeClose) }
 func FuzzTrim(f *testing.F)          { fuzzPayload(f, protocol.TypeTrim) }
 func FuzzWriteZeroes(f *testing.F)   { fuzzPayload(f, protocol.TypeWriteZeroes) }
 func FuzzJoin(f *testing.F)          { fuzzPayload(f, protocol.TypeJoin) }
+func FuzzResize(f *testing.F)        { fuzzPayload(f, protocol.TypeResize) }
 
 type negotiateSeed struct {
 	lmin, lmax, pmin, pmax uint8
@@ -273,6 +274,7 @@ func seedCorpus() map[string][]byte {
 		"FuzzTrim": protocol.TypeTrim, "FuzzWriteZeroes": protocol.TypeWriteZeroes,
 		"FuzzAuthStart": protocol.TypeAuthStart, "FuzzAuthChallenge": protocol.TypeAuthChallenge,
 		"FuzzAuthResponse": protocol.TypeAuthResponse, "FuzzJoin": protocol.TypeJoin,
+		"FuzzResize": protocol.TypeResize,
 	} {
 		add(fuzz, payloadSeeds(typ))
 	}

@@ -27,6 +27,7 @@ const (
 	flushSize        = 16
 	handleOnlySize   = 8
 	extentSize       = 24
+	resizeSize       = 16
 )
 
 // FeatureMask is the set of Hello feature bits this package knows: none yet.
@@ -1069,4 +1070,48 @@ func checkExtentMsg(flags, mask uint32, off, length uint64) error {
 		return err
 	}
 	return checkExtent(off, length)
+}
+
+// Resize is a notice from the target, with tag 0 and no reply: the volume
+// open under Handle on this connection grew to VolumeSize bytes. The target
+// sends it on every connection that has the volume open (every queue of a
+// session), once the new size is in effect there: requests up to it are
+// served from then on. A volume never shrinks.
+type Resize struct {
+	Handle uint32
+	// VolumeSize is the volume's new size in bytes, never 0. (The field
+	// cannot be called Size: that is the Message method.)
+	VolumeSize uint64
+}
+
+func (m *Resize) Type() Type { return TypeResize }
+func (m *Resize) Size() int  { return resizeSize }
+func (m *Resize) validate() error {
+	if m.VolumeSize == 0 {
+		return fmt.Errorf("%w: volume size 0", ErrBadField)
+	}
+	return nil
+}
+
+func (m *Resize) MarshalTo(b []byte) int {
+	_ = b[resizeSize-1]
+	be.PutUint32(b[0:], m.Handle)
+	be.PutUint32(b[4:], 0)
+	be.PutUint64(b[8:], m.VolumeSize)
+	return resizeSize
+}
+
+func (m *Resize) Unmarshal(p []byte) error {
+	if err := fixedSize(TypeResize, p, resizeSize); err != nil {
+		return err
+	}
+	if err := checkReserved("reserved", be.Uint32(p[4:])); err != nil {
+		return decodeErr(TypeResize, err)
+	}
+	m.Handle = be.Uint32(p[0:])
+	m.VolumeSize = be.Uint64(p[8:])
+	if err := m.validate(); err != nil {
+		return decodeErr(TypeResize, err)
+	}
+	return nil
 }

@@ -56,8 +56,9 @@ const (
 	TypeAuthResponse  Type = 21 // AuthResponse: initiator's proof
 	TypeAuthAccept    Type = 22 // AuthAccept: reply to AuthResponse, the target's proof
 	TypeJoin          Type = 23 // Join: initiator adds a connection to its session as an IO queue
+	TypeResize        Type = 24 // Resize: target's notice that a volume grew
 
-	typeMax = TypeJoin
+	typeMax = TypeResize
 )
 
 var typeNames = [...]string{
@@ -84,6 +85,7 @@ var typeNames = [...]string{
 	TypeAuthResponse:  "AuthResponse",
 	TypeAuthAccept:    "AuthAccept",
 	TypeJoin:          "Join",
+	TypeResize:        "Resize",
 }
 
 func (t Type) String() string {
@@ -275,6 +277,8 @@ func New(t Type) (Message, error) {
 		return new(AuthAccept), nil
 	case TypeJoin:
 		return new(Join), nil
+	case TypeResize:
+		return new(Resize), nil
 	}
 	return nil, fmt.Errorf("%w: %d", ErrUnknownType, uint8(t))
 }

@@ -60,6 +60,7 @@ echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 go test -c -tags rdma -o "$art/target.test" ./target/
+go test -c -o "$art/kernel.test" ./initiator/kernel/
 if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	# (the guest sees the host's root: an absolute host path works there)
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)

@@ -196,6 +196,15 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 		if ch := c.chunks[key]; ch != nil {
 			switch ch.state {
 			case chunkReady:
+				if c.stale(ch) {
+					// The volume grew past this short last chunk: it
+					// goes, and is loaded again with its new length.
+					c.refitStale(ch)
+					if err := c.wait(ctx, 0); err != nil {
+						return nil, holder{}, false, err
+					}
+					continue
+				}
 				ch.pins++
 				c.lru.MoveToFront(ch.elem)
 				hd, held := ch.holders[s]
@@ -240,7 +249,7 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 		}
 		slot := c.free[len(c.free)-1]
 		c.free = c.free[:len(c.free)-1]
-		n := min(uint64(c.chunkSize), v.size-idx*uint64(c.chunkSize))
+		n := c.chunkLen(v, idx)
 		words := (c.chunkSize/dirtyBlock + 63) / 64
 		// A window over the slot may reach all of it (see grantkey.go):
 		// the tail past a short last chunk must not hold another
@@ -265,6 +274,12 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 		ch.state = chunkReady
 		ch.elem = c.lru.PushFront(ch)
 		c.m.cacheUsed.Add(float64(c.chunkSize))
+		if c.stale(ch) {
+			// The volume grew while it loaded: loaded again (above).
+			ch.pins--
+			c.cond.Broadcast()
+			continue
+		}
 		return ch, holder{}, false, nil
 	}
 }

@@ -47,6 +47,10 @@
 //   - when a session ends without a clean close (a lost link, a fence, an
 //     unanswered revoke), write back whole chunks it held writable, since
 //     its last Dones may be lost while its RDMA WRITEs are in the cache.
+//   - grow a volume online (Grow): extend the backing file (a block device
+//     must be large enough already), make the new size the one every check
+//     uses, revoke a short last chunk so that it is granted again whole,
+//     then tell every connection with the volume open (a Resize notice).
 //
 // # Usage
 //

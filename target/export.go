@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -139,10 +140,11 @@ type volume struct {
 	name     string
 	path     string
 	readOnly bool
-	file     *os.File // the backing file, closed with the volume
-	f        Store    // file, or what Options.WrapStore put in front of it
-	size     uint64
+	file     *os.File      // the backing file, closed with the volume
+	f        Store         // file, or what Options.WrapStore put in front of it
+	size     atomic.Uint64 // bytes; grows online (Target.Grow), never shrinks
 	blockDev bool
+	growMu   sync.Mutex // serializes Grow
 
 	// ioMu orders loads (shared) against trims and write-zeroes (exclusive),
 	// so that a chunk is never loaded from a range being zeroed.
@@ -189,19 +191,20 @@ func openVolume(id uint32, e ExportConfig) (*volume, error) {
 		wbSignal: make(chan struct{}, 1)}
 	switch mode := st.Mode(); {
 	case mode.IsRegular():
-		v.size = uint64(st.Size())
+		v.size.Store(uint64(st.Size()))
 	case mode&os.ModeDevice != 0 && mode&os.ModeCharDevice == 0:
 		end, err := f.Seek(0, io.SeekEnd)
 		if err != nil {
 			f.Close()
 			return nil, fmt.Errorf("export %q: size of %s: %w", e.Name, e.Path, err)
 		}
-		v.size, v.blockDev = uint64(end), true
+		v.size.Store(uint64(end))
+		v.blockDev = true
 	default:
 		f.Close()
 		return nil, fmt.Errorf("export %q: %s is neither a regular file nor a block device", e.Name, e.Path)
 	}
-	if v.size == 0 {
+	if v.size.Load() == 0 {
 		f.Close()
 		return nil, fmt.Errorf("export %q: %s is empty (give size=BYTES to create it)", e.Name, e.Path)
 	}

@@ -27,6 +27,7 @@ type Metrics struct {
 	flushSeconds   prometheus.Histogram
 	cacheUsed      prometheus.Gauge
 	cacheBudget    prometheus.Gauge
+	grows          *prometheus.CounterVec // see grow.go
 
 	// The children of the labelled collectors that requests and write-back
 	// use, resolved once: no label lookup per request.
@@ -101,5 +102,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
 			m.flushSeconds, m.cacheUsed, m.cacheBudget)
 	}
+	m.registerGrow(reg)
 	return m
 }

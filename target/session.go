@@ -157,8 +157,9 @@ func (s *session) lookup(handle uint32) (*openVol, error) {
 
 // checkRange validates [off, off+n) against v.
 func checkRange(v *volume, off, n uint64) error {
-	if n == 0 || off >= v.size || n > v.size-off {
-		return fmt.Errorf("range %d+%d outside volume %q of %d bytes: %w", off, n, v.name, v.size, protocol.ErrRange)
+	size := v.size.Load()
+	if n == 0 || off >= size || n > size-off {
+		return fmt.Errorf("range %d+%d outside volume %q of %d bytes: %w", off, n, v.name, size, protocol.ErrRange)
 	}
 	return nil
 }
@@ -318,7 +319,7 @@ func (s *session) addHandle(ov *openVol, event string) *protocol.VolumeInfo {
 	if !ov.writable {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
-	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size, BlockSize: 4096,
+	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size.Load(), BlockSize: volumeBlockSize,
 		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}
 }
 
@@ -353,8 +354,8 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 	if err != nil {
 		return err
 	}
-	if m.Offset >= ov.v.size {
-		return fmt.Errorf("grant at %d of %q (%d bytes): %w", m.Offset, ov.v.name, ov.v.size, protocol.ErrRange)
+	if size := ov.v.size.Load(); m.Offset >= size {
+		return fmt.Errorf("grant at %d of %q (%d bytes): %w", m.Offset, ov.v.name, size, protocol.ErrRange)
 	}
 	if m.Flags&protocol.GrantWrite != 0 && !ov.writable {
 		return fmt.Errorf("write grant on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)

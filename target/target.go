@@ -203,7 +203,7 @@ func New(opts Options) (*Target, error) {
 			c.writebackLoop(t.ctx, v, opts.WritebackDelay)
 		}()
 		t.log.Info("export", zap.String("name", v.name), zap.String("path", v.path),
-			zap.Uint64("size", v.size), zap.Bool("read_only", v.readOnly))
+			zap.Uint64("size", v.size.Load()), zap.Bool("read_only", v.readOnly))
 	}
 	return t, nil
 }
@@ -221,7 +221,7 @@ func (t *Target) exportList(host string) *protocol.ExportList {
 		if !v.cfg.allows(host) {
 			continue
 		}
-		l.Exports = append(l.Exports, protocol.ExportEntry{Name: v.name, Size: v.size, Flags: volFlags(v)})
+		l.Exports = append(l.Exports, protocol.ExportEntry{Name: v.name, Size: v.size.Load(), Flags: volFlags(v)})
 	}
 	sort.Slice(l.Exports, func(i, j int) bool { return l.Exports[i].Name < l.Exports[j].Name })
 	return l
@@ -293,10 +293,10 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 		return
 	}
 	s.link = l
-	close(s.ready)
 	t.mu.Lock()
-	t.sessions[s] = struct{}{}
+	t.sessions[s] = struct{}{} // before any request: Grow finds every handle
 	t.mu.Unlock()
+	close(s.ready)
 	t.m.sessions.Inc()
 	t.m.sessionsTotal.Inc()
 	s.log.Info("session started", zap.String("local", l.Conn().LocalAddr()))

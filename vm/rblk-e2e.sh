@@ -32,6 +32,10 @@
 #              detach removes the device the kernel kept. Without ublk_drv (6.1): attach
 #              --device ublk is refused at once in one line. bench gets a
 #              "rblk ublk" column where the kernel has it;
+#  grow        an online grow of /dev/nbdN (kernel.test, if present):
+#              a target in process grows the attached volume,
+#              /sys/block/nbdN/size shows the new size (NBD_CMD_RECONFIGURE),
+#              O_DIRECT IO at the new end works;
 #  small-cache a cache of a quarter of the volume: fio verify randrw over the
 #              whole volume passes, and rblkd evicted chunks and revoked
 #              grants (its /metrics);
@@ -329,6 +333,13 @@ no_children() {
 # ---------------------------------------------------------------------------
 # Scenarios
 # ---------------------------------------------------------------------------
+scen_grow() {
+	step "TestGuestResize: the volume grows under /dev/nbdN"
+	RBLK_KERNEL_GUEST_REQUIRE=1 "$BIN/kernel.test" -test.run '^TestGuestResize$' -test.v -test.count=1 -test.timeout=5m \
+		>"$LOGS/kernel-test.log" 2>&1 || fail "TestGuestResize: $(grep -E -- '--- FAIL|grow_|guest_linux_test|panic' "$LOGS/kernel-test.log" | head -n 20)"
+	grep -E -- 'sectors after the grow|--- PASS' "$LOGS/kernel-test.log"
+}
+
 scen_verbs() {
 	step "the verbs provider's tests (transport/rdma: the conformance suite over $RXE)"
 	RBLK_RDMA_ADDR=$IP "$BIN/rdma.test" -test.v -test.count=1 -test.timeout=10m >"$LOGS/rdma-test.log" 2>&1 ||
@@ -936,6 +947,7 @@ if [ -x "$BIN/rdma.test" ]; then scenario verbs scen_verbs; fi
 scenario security scen_security
 scenario basic scen_basic
 scenario ublk scen_ublk
+if [ -x "$BIN/kernel.test" ]; then scenario grow scen_grow; fi
 scenario bench scen_bench
 scenario small-cache scen_small_cache
 scenario chunk-64k scen_chunk_64k

@@ -182,15 +182,16 @@ func attach(f attachFlags) error {
 			}
 		}
 	}
+	grow := newGrowHook(log, f.export)
 	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
-		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg)})
+		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg), OnResize: grow.onResize})
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
 	}
 	if ublk.IsDevice(f.dev.device) {
-		return serveUblk(ctx, f, vol, log, why)
+		return serveUblk(ctx, f, vol, log, why, grow)
 	}
 	srv, err := nbd.NewServer(nbd.Options{Exports: []*nbd.Export{nbdExport(vol, f.export)}, Logger: log,
 		Metrics: nbd.NewMetrics(reg)})
@@ -199,10 +200,11 @@ func attach(f attachFlags) error {
 		return err
 	}
 	if f.dev.device != "" {
-		return serveDevice(ctx, f, vol, srv, log, why)
+		return serveDevice(ctx, f, vol, srv, log, why, grow)
 	}
 	log.Info("attached", zap.String("export", f.export), zap.String("target", f.target), zap.String("transport", why),
 		zap.String("nbd", f.nbdListen), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()))
+	grow.set(vol.Size(), vol.Size(), grow.nbdSocket)
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ctx, ln) }()
@@ -321,7 +323,7 @@ func humanSize(n uint64) string {
 func nbdExport(vol *initiator.Volume, name string) *nbd.Export {
 	f, ro := vol.Flags(), vol.ReadOnly()
 	return &nbd.Export{
-		Name: name, Description: vol.Description(), Size: vol.Size(), ReadOnly: ro,
+		Name: name, Description: vol.Description(), Size: vol.Size(), CurrentSize: vol.Size, ReadOnly: ro,
 		CanTrim: !ro && f&protocol.VolCanTrim != 0, CanZero: !ro && f&protocol.VolCanZero != 0,
 		CanFlush: true, CanFUA: !ro, MultiConn: true,
 		MinBlock: 1, PrefBlock: 4096, MaxBlock: initiator.MaxRequest, Backend: vol,

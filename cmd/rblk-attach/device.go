@@ -75,7 +75,7 @@ func (d *deviceFlags) check(nbdListen string) error {
 // process; then it detaches the device (the kernel fails what is still in
 // flight on it), waits for the requests this side already has, flushes and
 // closes the volume. It closes srv and vol.
-func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv *nbd.Server, log *zap.Logger, transport string) error {
+func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv *nbd.Server, log *zap.Logger, transport string, grow *growHook) error {
 	closeVol := func(runErr error) error {
 		srv.Close()
 		return closeVolume(vol, log, runErr)
@@ -90,7 +90,8 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 		timeout = f.reconnectTimeout + time.Minute
 	}
 	actx, acancel := context.WithTimeout(ctx, 30*time.Second)
-	dev, err := kernel.Attach(actx, kernel.Options{Export: nbdExport(vol, f.export), Server: srv, Device: f.dev.device,
+	exp := nbdExport(vol, f.export)
+	dev, err := kernel.Attach(actx, kernel.Options{Export: exp, Server: srv, Device: f.dev.device,
 		Connections: f.dev.connections, Timeout: timeout, Backend: "rblk:" + f.export + "@" + f.target, Logger: log})
 	acancel()
 	if err != nil {
@@ -100,6 +101,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()),
 		zap.Int("connections", dev.Connections()))
+	grow.set(exp.Size, vol.Size(), grow.nbdDevice(dev))
 
 	var runErr error
 	select {

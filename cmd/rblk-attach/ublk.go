@@ -38,11 +38,12 @@ func (d *deviceFlags) checkUblk() error {
 // (ctx), the loss of the target session, or the device's end; then it
 // stops the device, waits for the requests this side has, flushes and
 // closes the volume.
-func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *zap.Logger, transport string) error {
+func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *zap.Logger, transport string, grow *growHook) error {
 	id, _ := ublk.ParseDevice(f.dev.device)
 	fl, ro := vol.Flags(), vol.ReadOnly()
 	actx, acancel := context.WithTimeout(ctx, 30*time.Second)
-	dev, err := ublk.Attach(actx, ublk.Options{Backend: vol, Size: vol.Size(), ReadOnly: ro,
+	size := vol.Size()
+	dev, err := ublk.Attach(actx, ublk.Options{Backend: vol, Size: size, ReadOnly: ro,
 		CanTrim: !ro && fl&protocol.VolCanTrim != 0, CanZero: !ro && fl&protocol.VolCanZero != 0, CanFUA: !ro,
 		ID: id, Queues: f.dev.connections, Logger: log})
 	acancel()
@@ -53,6 +54,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", ro),
 		zap.Int("queues", dev.Queues()))
+	grow.set(size, vol.Size(), grow.ublkDevice(dev.Path()))
 
 	var runErr error
 	select {

@@ -47,6 +47,8 @@ type Options struct {
 type driver interface {
 	connect(ctx context.Context, c connectConfig) (index int, err error)
 	disconnect(ctx context.Context, index int) error
+	// reconfigure changes the size of a live device (resize.go).
+	reconfigure(ctx context.Context, c resizeConfig) error
 	// receivers is the number of the device's sockets the kernel reads
 	// replies from; ok is false when it cannot tell.
 	receivers(index int) (n int, ok bool)
@@ -90,6 +92,9 @@ type Device struct {
 	drv    driver
 	log    *zap.Logger
 	conns  []net.Conn
+
+	blockSize uint32 // the device's, for Resize
+	backend   string // its backend identifier, which a reconfigure names
 
 	sctx   context.Context // the backend calls' context
 	cancel context.CancelFunc
@@ -234,7 +239,8 @@ func attachOnce(ctx context.Context, opts Options, drv driver, pair func() (mine
 			zap.Uint32("asked", opts.BlockSize), zap.Uint32("block_size", bs))
 	}
 
-	d := &Device{index: -1, export: e, srv: opts.Server, drv: drv, log: opts.Logger, done: make(chan struct{})}
+	d := &Device{index: -1, export: e, srv: opts.Server, drv: drv, log: opts.Logger, done: make(chan struct{}),
+		blockSize: bs, backend: opts.Backend}
 	if d.srv == nil {
 		if d.srv, err = nbd.NewServer(nbd.Options{Logger: opts.Logger}); err != nil {
 			return nil, err

@@ -115,6 +115,10 @@ type fakeKernel struct {
 	readers []int
 	// noReceivers: receivers cannot tell.
 	noReceivers bool
+	// resizes are the reconfigures (resize_test.go); reconfigureErr fails
+	// them.
+	resizes        []resizeConfig
+	reconfigureErr error
 }
 
 func newFakeKernel(t *testing.T) *fakeKernel {

@@ -227,6 +227,27 @@ func (n netlinkDriver) disconnect(ctx context.Context, index int) error {
 	return nil
 }
 
+func (n netlinkDriver) reconfigure(ctx context.Context, cfg resizeConfig) error {
+	data, err := encodeResize(cfg)
+	if err != nil {
+		return err
+	}
+	c, fam, closeConn, err := n.dial(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeConn()
+	// The kernel sends no reply to a reconfigure: ask for the ack.
+	_, err = c.Execute(genetlink.Message{
+		Header: genetlink.Header{Command: nbdCmdReconfigure, Version: genlVersion},
+		Data:   data,
+	}, fam.ID, netlink.Request|netlink.Acknowledge)
+	if err != nil {
+		return kernelErr("NBD_CMD_RECONFIGURE", ctxErr(ctx, err))
+	}
+	return nil
+}
+
 // Available reports ErrNoModule when the kernel has no NBD driver, or why
 // its netlink interface cannot be reached; nil when Attach can try.
 func Available(ctx context.Context) error {

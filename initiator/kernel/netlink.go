@@ -213,3 +213,33 @@ func decodeIndex(b []byte) (int, error) {
 	}
 	return index, nil
 }
+
+// resizeConfig is the content of the NBD_CMD_RECONFIGURE that changes a
+// live device's size. The kernel takes NBD_ATTR_SIZE_BYTES in a
+// reconfigure since Linux 5.3 (nbd_genl_reconfigure calls
+// nbd_genl_size_set, which calls set_capacity_and_notify: the disk's size
+// changes at once and udev gets a change event with RESIZE=1); a device
+// attached with a backend identifier must name it again (else EINVAL,
+// "must specify backend").
+type resizeConfig struct {
+	Index     int
+	SizeBytes uint64
+	Backend   string
+}
+
+// encodeResize builds the attributes of that NBD_CMD_RECONFIGURE.
+func encodeResize(c resizeConfig) ([]byte, error) {
+	if c.Index < 0 || c.Index > math.MaxInt32 {
+		return nil, fmt.Errorf("device index %d out of range", c.Index)
+	}
+	if c.SizeBytes == 0 {
+		return nil, errors.New("resize to 0 bytes")
+	}
+	ae := netlink.NewAttributeEncoder()
+	ae.Uint32(nbdAttrIndex, uint32(c.Index))
+	ae.Uint64(nbdAttrSizeBytes, c.SizeBytes)
+	if c.Backend != "" {
+		ae.String(nbdAttrBackendIdentifier, c.Backend)
+	}
+	return ae.Encode()
+}

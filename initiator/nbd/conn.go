@@ -322,7 +322,8 @@ func (r *request) Complete(err error) {
 
 // inRange tells whether [off, off+length) lies within the export.
 func inRange(x *export, off uint64, length uint32) bool {
-	return uint64(length) <= x.Size && off <= x.Size-uint64(length)
+	size := x.size()
+	return uint64(length) <= size && off <= size-uint64(length)
 }
 
 // check validates a request without payload; it returns the error to reply

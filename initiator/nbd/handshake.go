@@ -59,7 +59,7 @@ func (c *conn) handshake() (*export, error) {
 				return nil, fmt.Errorf("%w: NBD_OPT_EXPORT_NAME for unknown export %q", errRefused, data)
 			}
 			b := make([]byte, 10, 10+124)
-			binary.BigEndian.PutUint64(b[0:], x.Size)
+			binary.BigEndian.PutUint64(b[0:], x.size())
 			binary.BigEndian.PutUint16(b[8:], x.flags)
 			if !noZeroes {
 				b = b[:10+124]
@@ -116,7 +116,7 @@ func (c *conn) handshake() (*export, error) {
 
 func (c *conn) chosen(x *export, by string) {
 	c.log.Info("nbd: export chosen", zap.String("export", x.Name), zap.String("by", by),
-		zap.Uint64("size", x.Size), zap.Uint16("flags", x.flags))
+		zap.Uint64("size", x.size()), zap.Uint16("flags", x.flags))
 }
 
 // infoOrGo answers NBD_OPT_INFO or NBD_OPT_GO. It returns the export when the
@@ -154,7 +154,7 @@ func (c *conn) infoOrGo(opt uint32, data []byte) (*export, error) {
 
 	b := make([]byte, 12)
 	binary.BigEndian.PutUint16(b[0:], infoExport)
-	binary.BigEndian.PutUint64(b[2:], x.Size)
+	binary.BigEndian.PutUint64(b[2:], x.size())
 	binary.BigEndian.PutUint16(b[10:], x.flags)
 	if err := c.optReply(opt, repInfo, b); err != nil {
 		return nil, err

@@ -27,6 +27,11 @@ type (
 type Export struct {
 	Name, Description string
 	Size              uint64
+	// CurrentSize, if set, is the export's size now, which may grow (a
+	// volume grown online): handshakes advertise it instead of Size, and
+	// requests are checked against it. Clients learn a new size at their
+	// next handshake; the kernel's device when told (kernel.Device.Resize).
+	CurrentSize func() uint64
 
 	ReadOnly, CanTrim, CanZero, CanFlush, CanFUA, MultiConn bool
 
@@ -84,6 +89,14 @@ type export struct {
 	*Export
 	min, pref, max uint32
 	flags          uint16
+}
+
+// size is the export's size now.
+func (x *export) size() uint64 {
+	if x.CurrentSize != nil {
+		return x.CurrentSize()
+	}
+	return x.Size
 }
 
 const (
@@ -299,7 +312,7 @@ func (s *Server) ServeTransmission(ctx context.Context, c net.Conn, e *Export) e
 	defer s.dropConn(cn)
 	cn.export = x
 	cn.log.Info("nbd: export chosen", zap.String("export", e.Name), zap.String("by", "transmission only"),
-		zap.Uint64("size", e.Size), zap.Uint16("flags", x.flags))
+		zap.Uint64("size", x.size()), zap.Uint16("flags", x.flags))
 	return cn.finish(cn.transmit(x))
 }
 
