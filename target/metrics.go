@@ -96,6 +96,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.opDoneFUA = m.newOp("done_fua")
 	m.errWriteback, m.errLoad = m.errors.WithLabelValues("writeback"), m.errors.WithLabelValues("load")
 	m.errDeregister, m.errProtocol = m.errors.WithLabelValues("deregister"), m.errors.WithLabelValues("protocol")
+	// The documented reasons exist from the start, at 0, so that rates and
+	// alerts over them work before the first refusal.
+	for _, r := range []string{"unknown_host", "no_secret", "wrong_secret", "unauthenticated_request", "timeout"} {
+		m.authFailures.WithLabelValues(r)
+	}
+	for _, r := range []string{"session_limit", "host_session_limit", "not_allowed", "writer_busy"} {
+		m.refused.WithLabelValues(r)
+	}
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
 			m.authFailures, m.refused, m.takeovers, m.hostSessions,
