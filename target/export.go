@@ -147,9 +147,10 @@ type volume struct {
 	blockDev bool
 	m        *volMetrics // this export's series (Metrics.forExport)
 
-	// cached counts the cache slots holding chunks of the volume (leaked
-	// ones included until their slot is out of use), guarded by cache.mu
-	// for writers; read without it by the metrics collector.
+	// cached counts the cache slots holding chunks of the volume (a slot
+	// leaked by a failed deregistration stays counted, as in
+	// rblkd_cache_used_bytes). Changed under cache.mu; the metrics
+	// collector reads it without.
 	cached atomic.Int64
 
 	// ioMu orders loads (shared) against trims and write-zeroes (exclusive),

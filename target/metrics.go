@@ -132,8 +132,10 @@ func (m *Metrics) forExport(name string) *volMetrics {
 		loadSeconds: m.loadSeconds.WithLabelValues(name), flushSeconds: m.flushSeconds.WithLabelValues(name)}
 }
 
-// deleteExport removes the series of export name, for an export that is
-// removed while the target runs: a later export of that name starts at 0.
+// deleteExport removes the series of export name. Removing an export while
+// the target runs must call it once the volume is closed, so that a later
+// export of that name starts at 0 and a removed one leaves no stale series.
+// (The gauges of exportCollector need nothing: they follow Target.vols.)
 func (m *Metrics) deleteExport(name string) {
 	l := prometheus.Labels{"export": name}
 	for _, v := range []*prometheus.MetricVec{m.grants.MetricVec, m.revokes.MetricVec, m.evictions.MetricVec,
