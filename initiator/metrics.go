@@ -72,6 +72,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		m.ioBytes[i] = m.rdmaBytes.WithLabelValues(op)
 		m.ioSeconds[i] = m.rdmaSeconds.WithLabelValues(op)
 	}
+	// The series of every kind exist from the start, at 0, so that rates
+	// and alerts over them work before the first error.
+	for _, op := range []string{"read", "write", "grant", "flush", "trim", "write_zeroes", "lost_writes", "protocol"} {
+		m.errors.WithLabelValues(op)
+	}
+	for _, op := range []string{"flush", "fua", "trim", "write_zeroes"} {
+		m.controlSeconds.WithLabelValues(op)
+	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
 			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects)

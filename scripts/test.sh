@@ -3,11 +3,13 @@
 #
 # On a fresh Debian 12 machine, as root, it installs what the tests need
 # (the userspace NBD clients, FUSE, e2fsprogs, a C compiler for -race,
-# staticcheck; Go if missing and Debian's is new enough), then runs every
+# promtool from the prometheus package, staticcheck; Go if missing and
+# Debian's is new enough), then runs every
 # check and keeps going after a failure, so one run shows them all:
 #
 #   build, gofmt, go vet, staticcheck, go vet and staticcheck of transport/
-#   with -tags rdma (the verbs provider, cgo), unit tests (-race), the end-to-end
+#   with -tags rdma (the verbs provider, cgo), the alert rules (promtool),
+#   unit tests (-race), the end-to-end
 #   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
 #   fuzz target of protocol/ for FUZZTIME each (default 10s), and the test on
 #   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernel under
@@ -78,7 +80,7 @@ setup() {
 	# toolchain for the race detector, and rdma-core's headers for the verbs
 	# provider (-tags rdma).
 	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
-		libibverbs-dev librdmacm-dev
+		libibverbs-dev librdmacm-dev prometheus
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
@@ -126,6 +128,12 @@ rdma_lint() {
 	go vet -tags rdma ./transport/... || rc=1
 	staticcheck -tags rdma ./transport/... || rc=1
 	return "$rc"
+}
+
+# alert_rules checks the Prometheus alert rules of dashboards/ and runs
+# their unit tests (promtool comes with Debian's prometheus package).
+alert_rules() {
+	promtool check rules dashboards/alerts.yml && promtool test rules dashboards/alerts_test.yml
 }
 
 e2e_tests() {
@@ -180,6 +188,7 @@ step "gofmt -l ." gofmt_check
 step "go vet ./..." go vet ./...
 step "staticcheck ./..." staticcheck ./...
 step "go vet and staticcheck -tags rdma ./transport/..." rdma_lint
+step "promtool check rules and test rules dashboards/alerts.yml" alert_rules
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
 fuzz_all

@@ -274,6 +274,7 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 		ch.state = chunkReady
 		ch.elem = c.lru.PushFront(ch)
 		c.m.cacheUsed.Add(float64(c.chunkSize))
+		v.cached.Add(1)
 		if c.stale(ch) {
 			// The volume grew while it loaded: loaded again (above).
 			ch.pins--
@@ -304,9 +305,9 @@ func (c *cache) load(v *volume, ch *chunk) error {
 		c.m.errLoad.Inc()
 		return fmt.Errorf("load chunk at %d of %q: %w", ch.off, v.name, err)
 	}
-	c.m.loads.Inc()
-	c.m.loadBytes.Add(float64(len(ch.buf)))
-	c.m.loadSeconds.Observe(time.Since(start).Seconds())
+	v.m.loads.Inc()
+	v.m.loadBytes.Add(float64(len(ch.buf)))
+	v.m.loadSeconds.Observe(time.Since(start).Seconds())
 	return nil
 }
 
@@ -425,8 +426,9 @@ func (c *cache) evict(ch *chunk) error {
 	if !ch.leaked {
 		c.free = append(c.free, ch.slot)
 		c.m.cacheUsed.Sub(float64(c.chunkSize))
+		ch.key.vol.cached.Add(-1)
 	}
-	c.m.evictions.Inc()
+	ch.key.vol.m.evictions.Inc()
 	c.cond.Broadcast()
 	return nil
 }
@@ -483,7 +485,7 @@ func (c *cache) flush(v *volume) error {
 	if err := v.f.Sync(); err != nil {
 		v.setErr(fmt.Errorf("fdatasync %q: %w", v.name, err))
 	}
-	c.m.flushSeconds.Observe(time.Since(start).Seconds())
+	v.m.flushSeconds.Observe(time.Since(start).Seconds())
 	return v.takeErr()
 }
 

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -144,7 +145,14 @@ type volume struct {
 	f        Store         // file, or what Options.WrapStore put in front of it
 	size     atomic.Uint64 // bytes; grows online (Target.Grow), never shrinks
 	blockDev bool
-	growMu   sync.Mutex // serializes Grow
+	growMu   sync.Mutex  // serializes Grow
+	m        *volMetrics // this export's series (Metrics.forExport)
+
+	// cached counts the cache slots holding chunks of the volume (a slot
+	// leaked by a failed deregistration stays counted, as in
+	// rblkd_cache_used_bytes). Changed under cache.mu; the metrics
+	// collector reads it without.
+	cached atomic.Int64
 
 	// ioMu orders loads (shared) against trims and write-zeroes (exclusive),
 	// so that a chunk is never loaded from a range being zeroed.
@@ -154,6 +162,11 @@ type volume struct {
 	dirty    []*chunk // the chunks queued for write-back (chunk.queued)
 	wbErr    error    // first write-back error since the last flush
 	wbSignal chan struct{}
+	// queuedAt is when the oldest chunk on the dirty list was queued, and
+	// passAt when the oldest chunk of the write-back pass under way was
+	// (UnixNano, 0: none); the write-back lag gauge is the older's age.
+	// Guarded by dirtyMu.
+	queuedAt, passAt int64
 
 	// passMu is held by a write-back pass from the moment it takes dirty
 	// chunks off the list until their blocks are written: a flush takes
@@ -222,6 +235,9 @@ func (v *volume) markDirty(ch *chunk) {
 	v.dirtyMu.Lock()
 	if !ch.queued.Load() {
 		ch.queued.Store(true)
+		if len(v.dirty) == 0 {
+			v.queuedAt = time.Now().UnixNano()
+		}
 		v.dirty = append(v.dirty, ch)
 	}
 	v.dirtyMu.Unlock()
@@ -237,10 +253,41 @@ func (v *volume) takeDirty() []*chunk {
 	defer v.dirtyMu.Unlock()
 	out := v.dirty
 	v.dirty = nil
+	if v.passAt == 0 {
+		v.passAt = v.queuedAt
+	}
+	v.queuedAt = 0
 	for _, ch := range out {
 		ch.queued.Store(false)
 	}
 	return out
+}
+
+// passDone ends the write-back pass that takeDirty started: what it took
+// is written, or, if it failed, marked dirty and queued again, and then
+// still as old as it was.
+func (v *volume) passDone(failed bool) {
+	v.dirtyMu.Lock()
+	if failed && len(v.dirty) > 0 && v.passAt != 0 && v.passAt < v.queuedAt {
+		v.queuedAt = v.passAt
+	}
+	v.passAt = 0
+	v.dirtyMu.Unlock()
+}
+
+// writebackState returns the chunks queued for write-back and the age of
+// the oldest range waiting for or in write-back (0: none).
+func (v *volume) writebackState(now time.Time) (queued int, lag time.Duration) {
+	v.dirtyMu.Lock()
+	defer v.dirtyMu.Unlock()
+	oldest := v.passAt
+	if oldest == 0 || (v.queuedAt != 0 && v.queuedAt < oldest) {
+		oldest = v.queuedAt
+	}
+	if oldest != 0 {
+		lag = max(now.Sub(time.Unix(0, oldest)), 0)
+	}
+	return len(v.dirty), lag
 }
 
 func (v *volume) setErr(err error) {

@@ -9,22 +9,22 @@ type Metrics struct {
 	requests       *prometheus.CounterVec
 	requestSeconds *prometheus.HistogramVec
 	errors         *prometheus.CounterVec
-	grants         prometheus.Counter
-	revokes        prometheus.Counter
+	grants         *prometheus.CounterVec
+	revokes        *prometheus.CounterVec
 	fenced         prometheus.Counter
 	revokeTimeouts prometheus.Counter
 	authFailures   *prometheus.CounterVec
 	refused        *prometheus.CounterVec
 	takeovers      prometheus.Counter
 	hostSessions   *prometheus.GaugeVec
-	evictions      prometheus.Counter
-	loads          prometheus.Counter
-	loadBytes      prometheus.Counter
-	loadSeconds    prometheus.Histogram
-	writebackOps   prometheus.Counter
-	writebackBytes prometheus.Counter
-	doneBytes      prometheus.Counter
-	flushSeconds   prometheus.Histogram
+	evictions      *prometheus.CounterVec
+	loads          *prometheus.CounterVec
+	loadBytes      *prometheus.CounterVec
+	loadSeconds    *prometheus.HistogramVec
+	writebackOps   *prometheus.CounterVec
+	writebackBytes *prometheus.CounterVec
+	doneBytes      *prometheus.CounterVec
+	flushSeconds   *prometheus.HistogramVec
 	cacheUsed      prometheus.Gauge
 	cacheBudget    prometheus.Gauge
 	grows          *prometheus.CounterVec // see grow.go
@@ -57,6 +57,7 @@ func (m *Metrics) newOp(op string) *opMetrics {
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	const ns = "rblkd"
 	buckets := prometheus.ExponentialBuckets(10e-6, 4, 12) // 10µs .. ~42s
+	exp := []string{"export"}
 	m := &Metrics{
 		sessions:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "sessions", Help: "Initiator sessions connected now."}),
 		sessionsTotal: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sessions_total", Help: "Initiator sessions accepted."}),
@@ -66,8 +67,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Time to serve a control request, by operation.", Buckets: buckets}, []string{"op"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "errors_total",
 			Help: "Errors, by where they happened."}, []string{"op"}),
-		grants:  prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators."}),
-		revokes: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators."}),
+		grants:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators, by export."}, exp),
+		revokes: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators, by export."}, exp),
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sessions_fenced_total",
 			Help: "Earlier sessions of a host ID and export fenced because the host opened the export again (reinstatement)."}),
 		revokeTimeouts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revoke_timeouts_total",
@@ -80,14 +81,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Sessions now, by the host ID they authenticated (or, without an auth file, named) as."}, []string{"host_id"}),
 		takeovers: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "takeovers_total",
 			Help: "Exclusive exports taken over from another host (its session fenced)."}),
-		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache."}),
-		loads:          prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files."}),
-		loadBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files."}),
-		loadSeconds:    prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "cache_load_duration_seconds", Help: "Time to load a chunk.", Buckets: buckets}),
-		writebackOps:   prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "writeback_ops_total", Help: "Writes of dirty ranges to backing files."}),
-		writebackBytes: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "writeback_bytes_total", Help: "Bytes written back to backing files."}),
-		doneBytes:      prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "written_bytes_total", Help: "Bytes initiators reported written with RDMA WRITE (MSG_DONE)."}),
-		flushSeconds:   prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: ns, Name: "flush_duration_seconds", Help: "Time to write back and fdatasync a volume.", Buckets: buckets}),
+		evictions:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache, by export."}, exp),
+		loads:          prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files, by export."}, exp),
+		loadBytes:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files, by export."}, exp),
+		loadSeconds:    prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "cache_load_duration_seconds", Help: "Time to load a chunk, by export.", Buckets: buckets}, exp),
+		writebackOps:   prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "writeback_ops_total", Help: "Writes of dirty ranges to backing files, by export."}, exp),
+		writebackBytes: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "writeback_bytes_total", Help: "Bytes written back to backing files, by export."}, exp),
+		doneBytes:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "written_bytes_total", Help: "Bytes initiators reported written with RDMA WRITE (MSG_DONE), by export."}, exp),
+		flushSeconds:   prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: ns, Name: "flush_duration_seconds", Help: "Time to write back and fdatasync a volume, by export.", Buckets: buckets}, exp),
 		cacheUsed:      prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_used_bytes", Help: "Registered cache memory holding chunks."}),
 		cacheBudget:    prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "cache_budget_bytes", Help: "Registered cache memory in all."}),
 	}
@@ -96,6 +97,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.opDoneFUA = m.newOp("done_fua")
 	m.errWriteback, m.errLoad = m.errors.WithLabelValues("writeback"), m.errors.WithLabelValues("load")
 	m.errDeregister, m.errProtocol = m.errors.WithLabelValues("deregister"), m.errors.WithLabelValues("protocol")
+	// The documented reasons exist from the start, at 0, so that rates and
+	// alerts over them work before the first refusal.
+	for _, r := range []string{"unknown_host", "no_secret", "wrong_secret", "unauthenticated_request", "timeout"} {
+		m.authFailures.WithLabelValues(r)
+	}
+	for _, r := range []string{"session_limit", "host_session_limit", "not_allowed", "writer_busy"} {
+		m.refused.WithLabelValues(r)
+	}
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
 			m.authFailures, m.refused, m.takeovers, m.hostSessions,
@@ -104,4 +113,36 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	m.registerGrow(reg)
 	return m
+}
+
+// volMetrics are the children of the per-export collectors for one export,
+// resolved once when the export is opened: the request path does no label
+// lookup.
+type volMetrics struct {
+	grants, revokes, evictions         prometheus.Counter
+	loads, loadBytes                   prometheus.Counter
+	writebackOps, writebackBytes, done prometheus.Counter
+	loadSeconds, flushSeconds          prometheus.Observer
+}
+
+// forExport resolves (and so creates, at 0) the series of export name.
+func (m *Metrics) forExport(name string) *volMetrics {
+	return &volMetrics{grants: m.grants.WithLabelValues(name), revokes: m.revokes.WithLabelValues(name),
+		evictions: m.evictions.WithLabelValues(name), loads: m.loads.WithLabelValues(name),
+		loadBytes: m.loadBytes.WithLabelValues(name), writebackOps: m.writebackOps.WithLabelValues(name),
+		writebackBytes: m.writebackBytes.WithLabelValues(name), done: m.doneBytes.WithLabelValues(name),
+		loadSeconds: m.loadSeconds.WithLabelValues(name), flushSeconds: m.flushSeconds.WithLabelValues(name)}
+}
+
+// deleteExport removes the series of export name. Removing an export while
+// the target runs must call it once the volume is closed, so that a later
+// export of that name starts at 0 and a removed one leaves no stale series.
+// (The gauges of exportCollector need nothing: they follow Target.vols.)
+func (m *Metrics) deleteExport(name string) {
+	l := prometheus.Labels{"export": name}
+	for _, v := range []*prometheus.MetricVec{m.grants.MetricVec, m.revokes.MetricVec, m.evictions.MetricVec,
+		m.loads.MetricVec, m.loadBytes.MetricVec, m.writebackOps.MetricVec, m.writebackBytes.MetricVec,
+		m.doneBytes.MetricVec, m.loadSeconds.MetricVec, m.flushSeconds.MetricVec} {
+		v.DeletePartialMatch(l)
+	}
 }

@@ -405,7 +405,7 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 			c.dropHolder(ch, s)
 			return fmt.Errorf("grant on %q: session fenced: %w", ov.v.name, protocol.ErrStale)
 		}
-		s.t.m.grants.Inc()
+		ov.v.m.grants.Inc()
 	}
 	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.key.Addr(), RKey: hd.key.RKey(),
 		Length: uint32(len(ch.buf)), Generation: ch.gen}
@@ -431,7 +431,7 @@ func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience
 	if !slow.Stop() {
 		s.slowRevokes.Add(-1)
 	}
-	s.t.m.revokes.Inc()
+	ch.key.vol.m.revokes.Inc()
 	s.forgetGrant(ch)
 	if err != nil && s.link.Err() == nil && s.t.ctx.Err() == nil {
 		s.log.Warn("initiator did not give a chunk back in time, closing its session",
@@ -547,7 +547,7 @@ func (s *session) doneLocked(d *protocol.Done, fua bool) (ov *openVol, fuaChunks
 			}
 		}
 	}
-	s.t.m.doneBytes.Add(float64(bytes))
+	v.m.done.Add(float64(bytes))
 	return ov, fuaChunks, nil
 }
 

@@ -186,6 +186,7 @@ func New(opts Options) (*Target, error) {
 		if opts.WrapStore != nil {
 			v.f = opts.WrapStore(e.Name, v.file)
 		}
+		v.m = t.m.forExport(e.Name)
 		t.vols = append(t.vols, v)
 		t.volumes[e.Name] = v
 	}
@@ -195,6 +196,9 @@ func New(opts Options) (*Target, error) {
 		return nil, err
 	}
 	t.cache = c
+	if opts.Registerer != nil {
+		opts.Registerer.MustRegister(newExportCollector(t))
+	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	for _, v := range t.vols {
 		t.wg.Add(1)

@@ -346,8 +346,8 @@ func (p *wbPass) flush() {
 		}
 	} else {
 		c.progress.Add(1)
-		c.m.writebackOps.Inc()
-		c.m.writebackBytes.Add(float64(size))
+		v.m.writebackOps.Inc()
+		v.m.writebackBytes.Add(float64(size))
 	}
 	clear(p.iov) // no reference to the cache stays in the pool
 	p.segs, p.iov = p.segs[:0], p.iov[:0]
@@ -388,5 +388,7 @@ func (ch *chunk) remark(taken []uint64, b, e uint64) {
 func (c *cache) writebackVolume(v *volume) error {
 	v.passMu.Lock()
 	defer v.passMu.Unlock()
-	return c.writeChunks(v, v.takeDirty(), nil)
+	err := c.writeChunks(v, v.takeDirty(), nil)
+	v.passDone(err != nil)
+	return err
 }

@@ -435,9 +435,19 @@ scen_basic() {
 	fio_verify randrw-4k --rw=randrw --bs=4k --iodepth=32 --size=16M
 	fio_verify write-1m --rw=write --bs=1M --iodepth=8 --size=64M
 
-	step "target metrics"
+	step "target metrics: per-export series, $RXE's counters on both sides (rblk_rdma_*)"
 	curl -fsS "$TM/metrics" | grep -E '^rblkd_(grants|revokes|cache_loads|cache_evictions|written_bytes|writeback_bytes)_total' || true
 	curl -fsS "$AM/metrics" | grep -E '^rblk_attach_rdma_(ops|bytes)_total' || true
+	curl -fsS "$TM/metrics" | grep -E '^rblk_rdma_port_(state|hw_counters_total\{counter="(sent|rcvd)_pkts")' || true
+	at_least "$TM" 'rblkd_written_bytes_total{export="vol"}' 1 || fail "rblkd: no rblkd_written_bytes_total{export=\"vol\"}"
+	[ "$(m "rblk_rdma_port_state{device=\"$RXE\",port=\"1\"}")" = 4 ] || fail "rblkd: rblk_rdma_port_state of $RXE port 1 is not 4 (ACTIVE)"
+	for a in "$TM" "$AM"; do
+		for c in sent_pkts rcvd_pkts; do
+			at_least "$a" "rblk_rdma_port_hw_counters_total{counter=\"$c\",device=\"$RXE\",port=\"1\"}" 1 ||
+				fail "http://$a/metrics: no $RXE port 1 hw counter $c above 0"
+		done
+	done
+	echo "$RXE's counters on both /metrics; sysfs: sent_pkts $(cat "$PORT_SYS/hw_counters/sent_pkts"), rcvd_pkts $(cat "$PORT_SYS/hw_counters/rcvd_pkts")"
 
 	step "detach, stop rblkd"
 	detach

@@ -23,6 +23,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/rblk/rblk/internal/rdmacounters"
 )
 
 // NewLogger logs to stderr: "console" for people, "json" for collectors.
@@ -47,10 +49,18 @@ func NewLogger(format string, debug bool) (*zap.Logger, error) {
 	return cfg.Build()
 }
 
-// NewRegistry is a metrics registry with the Go and process collectors.
+// SysfsEnv names the environment variable that moves the sysfs root the
+// RDMA counters are read from (default /sys): a container that mounts the
+// host's /sys elsewhere sets it.
+const SysfsEnv = "RBLK_SYSFS"
+
+// NewRegistry is a metrics registry with the Go and process collectors and
+// the RDMA devices' counters (package rdmacounters, under $RBLK_SYSFS or
+// /sys).
 func NewRegistry() *prometheus.Registry {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		rdmacounters.New(os.Getenv(SysfsEnv)))
 	return reg
 }
 
