@@ -74,7 +74,7 @@ func newEnv(t *testing.T, tree files) Env {
 		}
 	}
 	return Env{SysRoot: filepath.Join(root, "sys"), ProcRoot: filepath.Join(root, "proc"), DevRoot: filepath.Join(root, "dev"),
-		ModulesRoot: filepath.Join(root, "modules"), LibDirs: []string{filepath.Join(root, "lib")}, UID: os.Geteuid(), RDMASupported: true,
+		ModulesRoot: filepath.Join(root, "modules"), LibDirs: []string{filepath.Join(root, "lib"), filepath.Join(root, "lib")}, UID: os.Geteuid(), RDMASupported: true,
 		Clock: func() (bool, string, error) { return true, "synchronized (fixture)", nil }}
 }
 

@@ -149,10 +149,12 @@ func (e Env) checkBuild() Check {
 			missing = append(missing, lib)
 		}
 	}
-	var drivers []string
+	drivers := map[string]bool{} // by name: /lib/ARCH is often /usr/lib/ARCH
 	for _, d := range e.LibDirs {
 		m, _ := filepath.Glob(filepath.Join(d, "libibverbs", "lib*-rdmav*.so"))
-		drivers = append(drivers, m...)
+		for _, p := range m {
+			drivers[filepath.Base(p)] = true
+		}
 	}
 	switch {
 	case len(missing) > 0:
