@@ -163,6 +163,10 @@ func (e Env) checkRDMAListen(ctx context.Context, c Check, addr string, devs []s
 		c.OK, c.Detail = true, "every address of every RDMA device"
 		return c
 	}
+	if ip.IsLoopback() {
+		c.OK, c.Detail = true, "loopback: rdma_cm binds it to the first RDMA device with an active port (initiators on this host only)"
+		return c
+	}
 	var roce []string
 	ib := false
 	for _, d := range devs {
