@@ -1,5 +1,0 @@
-package doctor
-
-import "regexp"
-
-func regexpMatch(pattern, s string) bool { return regexp.MustCompile(pattern).MatchString(s) }
