@@ -13,7 +13,10 @@
 #              device's memory window caps, and the cost of a grant:
 #              Register+Deregister vs BindWindow+Invalidate of 1 MiB
 #              (logs/verbs/grant-cost.txt);
-#  basic       rblkd --transport rdma on Soft-RoCE (rxe0, 192.0.2.1) with a
+#  basic       rblkd doctor and rblk-attach doctor (--transport rdma,
+#              --device nbd, --target) pass every needed check (RDMA device,
+#              port, RoCE v2 GID, MTU, /dev/infiniband, nbd module, ...);
+#              rblkd --transport rdma on Soft-RoCE (rxe0, 192.0.2.1) with a
 #              cache that holds the volume, rblk-attach --device /dev/nbd0;
 #              ext4 with files and checksums, e2fsck of the backing file, a
 #              fresh attach: every checksum matches; fio --verify=crc32c;
@@ -394,9 +397,21 @@ scen_verbs() {
 scen_basic() {
 	local size=256 mnt=$WORK/mnt i n a
 	mkdir -p "$mnt"
+	step "rblkd doctor --transport $TRANSPORT: every needed check passes"
+	"$BIN/rblkd" doctor --transport "$TRANSPORT" --listen "$IP:7480" --auth-file "$AUTH_DIR/auth" --target-id vm-target \
+		--export "vol=$WORK/$SCEN.img,size=${size}M" --cache-size 384M >"$LOGS/rblkd-doctor.txt" 2>&1 ||
+		{ cat "$LOGS/rblkd-doctor.txt"; fail "rblkd doctor"; }
+	cat "$LOGS/rblkd-doctor.txt"
 	step "rblkd serve --transport $TRANSPORT, a cache that holds the volume"
 	# (the table compares data paths, not cache misses)
 	serve rblkd.log 7480 "$size" --cache-size 384M
+	step "rblk-attach doctor --transport $TRANSPORT --device nbd --target: every needed check passes"
+	"$BIN/rblk-attach" doctor --transport "$TRANSPORT" --device nbd --host-id "$HOST_ID" --secret-file "$SECRET" \
+		--target "$TGT" >"$LOGS/attach-doctor.txt" 2>&1 || { cat "$LOGS/attach-doctor.txt"; fail "rblk-attach doctor"; }
+	cat "$LOGS/attach-doctor.txt"
+	"$BIN/rblk-attach" doctor --transport "$TRANSPORT" --device nbd --host-id "$HOST_ID" --secret-file "$SECRET" --json |
+		jq -e 'length > 0 and all(.[]; has("name") and has("ok") and has("detail") and has("fix") and (.ok or (.needed | not)))' >/dev/null ||
+		fail "rblk-attach doctor --json: not a list of passing checks with name, ok, detail, fix"
 	step "rblk-attach attach --transport $TRANSPORT --device"
 	attach attach1.log "$size"
 	for a in write_cache discard_max_bytes fua logical_block_size; do

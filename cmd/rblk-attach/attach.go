@@ -30,7 +30,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd())
+	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd(), newDoctorCmd())
 	return root
 }
 
