@@ -90,6 +90,12 @@ type Options struct {
 	Logger *zap.Logger
 	// Metrics, if not nil, are updated; see NewMetrics.
 	Metrics *Metrics
+	// OnLink, if set, is called when the session's connection is lost
+	// (up false) and when it is made again (up true, with the number of
+	// reconnects so far): a status file or a dashboard follows the volume
+	// with it. Calls come one at a time from the volume's supervising
+	// goroutine; it must not block, and must not call the volume.
+	OnLink func(up bool, reconnects int)
 }
 
 // Volume is an open remote volume. It implements blockdev.Backend: reads are

@@ -100,6 +100,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()),
 		zap.Int("connections", dev.Connections()))
+	f.state.attached(dev.Path())
 
 	var runErr error
 	select {
@@ -116,6 +117,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 			log.Info("device disconnected by another process: flushing and closing", zap.String("device", dev.Path()))
 		}
 	}
+	f.state.ending(runErr)
 	dctx, dcancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer dcancel()
 	if err := dev.Detach(dctx); err != nil && runErr == nil {

@@ -53,6 +53,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", ro),
 		zap.Int("queues", dev.Queues()))
+	f.state.attached(dev.Path())
 
 	var runErr error
 	select {
@@ -69,6 +70,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 			log.Info("device stopped by another process: flushing and closing", zap.String("device", dev.Path()))
 		}
 	}
+	f.state.ending(runErr)
 	dctx, dcancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer dcancel()
 	if err := dev.Detach(dctx); err != nil && runErr == nil {
