@@ -206,3 +206,72 @@ func TestStatus(t *testing.T) {
 	}
 	tg.stop(t, stopTimeout)
 }
+
+// TestGenDocs generates the man pages and completions make install
+// installs, from the real binaries: a page per command, one that man (or
+// groff) renders, and a bash completion that registers itself.
+func TestGenDocs(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	pages := map[string][]string{
+		rblkdBin:  {"rblkd.1", "rblkd-serve.1", "rblkd-completion.1"},
+		attachBin: {"rblk-attach.1", "rblk-attach-attach.1", "rblk-attach-detach.1", "rblk-attach-list.1", "rblk-attach-status.1"},
+	}
+	for bin, want := range pages {
+		name := filepath.Base(bin)
+		mustRun(t, time.Minute, bin, "gen-docs", dir)
+		for _, p := range want {
+			b, err := os.ReadFile(filepath.Join(dir, "man1", p))
+			if err != nil {
+				t.Errorf("%s gen-docs: %v", name, err)
+				continue
+			}
+			if !strings.HasPrefix(string(b), ".nh\n.TH") && !strings.Contains(string(b), ".TH \"") {
+				t.Errorf("%s is not a man page:\n%.200s", p, b)
+			}
+		}
+		// Hidden commands get no page.
+		for _, hidden := range []string{"gen-docs", "udev-id"} {
+			if _, err := os.Stat(filepath.Join(dir, "man1", name+"-"+hidden+".1")); err == nil {
+				t.Errorf("a man page for the hidden command %s %s", name, hidden)
+			}
+		}
+		for _, f := range []string{"bash-completion/" + name, "zsh/_" + name, "fish/" + name + ".fish"} {
+			b, err := os.ReadFile(filepath.Join(dir, f))
+			if err != nil || !strings.Contains(string(b), name) {
+				t.Errorf("completion %s: %v; want a script for %s", f, err, name)
+			}
+		}
+		// Sourced in bash, the completion registers itself.
+		if bash, ok := toolPath("bash"); ok {
+			r := mustRun(t, time.Minute, bash, "-c", "source "+filepath.Join(dir, "bash-completion", name)+" && complete -p "+name)
+			if !strings.Contains(r.stdout, name) {
+				t.Errorf("bash completion of %s registers nothing: %s", name, r)
+			}
+		}
+	}
+	// The page of status documents --json, and renders.
+	page := filepath.Join(dir, "man1", "rblk-attach-status.1")
+	var text string
+	switch {
+	case hasTool("man"):
+		r := mustRun(t, time.Minute, "man", "-l", "-P", "cat", page)
+		text = r.stdout
+		if strings.Contains(r.stderr, "warning") {
+			t.Errorf("man -l %s warns:\n%s", page, r.stderr)
+		}
+	case hasTool("groff"):
+		text = mustRun(t, time.Minute, "groff", "-man", "-Tutf8", page).stdout
+	default:
+		t.Logf("neither man nor groff is installed: the page is not rendered")
+		return
+	}
+	if !strings.Contains(text, "--json") || !strings.Contains(text, "rblk-attach") {
+		t.Errorf("the rendered page of rblk-attach status lacks --json:\n%s", text)
+	}
+}
+
+func hasTool(name string) bool {
+	_, ok := toolPath(name)
+	return ok
+}

@@ -31,7 +31,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd(), newStatusCmd(), newUdevIDCmd())
+	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd(), newStatusCmd(), newUdevIDCmd(), cli.GenDocsCmd(root))
 	return root
 }
 

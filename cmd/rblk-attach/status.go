@@ -229,12 +229,11 @@ func udevID(name, dir string) (target, export string, err error) {
 		if err != nil {
 			return "", "", fmt.Errorf("%s: %w: %w", name, errNotRblk, err)
 		}
-		id, ok := strings.CutPrefix(strings.TrimSpace(string(b)), "rblk:")
-		i := strings.LastIndexByte(id, '@')
-		if !ok || i <= 0 || i == len(id)-1 {
+		target, export, ok := parseBackend(string(b))
+		if !ok {
 			return "", "", fmt.Errorf("%s: backend %q: %w", name, b, errNotRblk)
 		}
-		return id[i+1:], id[:i], nil
+		return target, export, nil
 	case ublkName.MatchString(name):
 		pid, _, err := ublk.ServerPID("/dev/" + name)
 		if err != nil {
@@ -252,6 +251,18 @@ func udevID(name, dir string) (target, export string, err error) {
 		return "", "", fmt.Errorf("%s: served by process %d, which has no status file in %s: %w", name, pid, dir, errNotRblk)
 	}
 	return "", "", fmt.Errorf("%q: want nbdN or ublkbN", name)
+}
+
+// parseBackend splits the backend identifier rblk-attach gives an NBD
+// device, "rblk:EXPORT@TARGET" (see serveDevice); an export's name may hold
+// '@', a target's address does not.
+func parseBackend(s string) (target, export string, ok bool) {
+	id, ok := strings.CutPrefix(strings.TrimSpace(s), "rblk:")
+	i := strings.LastIndexByte(id, '@')
+	if !ok || i <= 0 || i == len(id)-1 {
+		return "", "", false
+	}
+	return id[i+1:], id[:i], true
 }
 
 // udevName makes s one safe path component of a udev symlink: the
