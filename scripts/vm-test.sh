@@ -58,6 +58,7 @@ art=$(mktemp -d /var/tmp/rblk-vm-bin.XXXXXX)
 trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
+cp systemd/99-rblk.rules "$art/" # (the udev scenario)
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 go test -c -tags rdma -o "$art/target.test" ./target/
 if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
