@@ -357,6 +357,10 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 			// and export would fence each other.
 			args = append(args, "--host-id", fmt.Sprintf("e2e-%s-%d", filepath.Base(sock[:len(sock)-len("/nbd.sock")]), attempt))
 		}
+		if !slices.Contains(extra, "--state-dir") {
+			// Status files beside the socket, not in this machine's /run.
+			args = append(args, "--state-dir", filepath.Join(filepath.Dir(sock), "state"))
+		}
 		args = append(args, extra...)
 		p := startProc(t, "rblk-attach", attachBin, args...)
 		a := &attacher{proc: p, sock: sock, metrics: metrics}
