@@ -166,7 +166,7 @@ func TestStatus(t *testing.T) {
 	}
 	e := es[0]
 	if e.PID != a.cmd.Process.Pid || e.State != "up" || e.Export != "vol0" || e.Target != tg.addr || e.Socket != "unix:"+a.sock ||
-		!strings.Contains(e.Transport, "tcp") || e.Queues != 2 || e.Size != 4<<20 || e.Reconnects != 0 || e.Since.IsZero() {
+		e.Transport != "tcp" || e.Queues != 2 || e.Size != 4<<20 || e.Reconnects != 0 || e.Since.IsZero() {
 		t.Errorf("status: %+v; want pid %d, up, vol0 of %s on unix:%s over tcp, 2 queues, 4 MiB, no reconnects", e, a.cmd.Process.Pid, tg.addr, a.sock)
 	}
 	table := mustRun(t, 30*time.Second, attachBin, "status", "--state-dir", state).stdout

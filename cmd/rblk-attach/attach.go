@@ -196,7 +196,7 @@ func attach(f attachFlags) error {
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
 	}
-	f.state.opened(why, vol.Size(), vol.ReadOnly())
+	f.state.opened(p.Name(), vol.Size(), vol.ReadOnly())
 	if ublk.IsDevice(f.dev.device) {
 		return serveUblk(ctx, f, vol, log, why)
 	}
