@@ -8,7 +8,10 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v systemd-analyze >/dev/null || { echo "systemd-analyze is missing (apt-get install systemd)"; exit 1; }
-[ -x bin/rblkd ] && [ -x bin/rblk-attach ] || { echo "bin/rblkd and bin/rblk-attach are missing: make build"; exit 1; }
+if [ ! -x bin/rblkd ] || [ ! -x bin/rblk-attach ]; then
+	echo "bin/rblkd and bin/rblk-attach are missing: make build"
+	exit 1
+fi
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

@@ -284,7 +284,7 @@ scen_udev() {
 	link="/dev/disk/by-rblk/$TGT/vol"
 	attach udev-attach.log 16
 	udevadm settle -t 20 || true
-	wait_for 20 test -L "$link" || { ls -lR /dev/disk/by-rblk 2>&1 | head; udevadm info "$DEV"; fail "no $link for $DEV"; }
+	wait_for 20 test -L "$link" || { find /dev/disk/by-rblk -ls 2>&1 | head; udevadm info "$DEV"; fail "no $link for $DEV"; }
 	[ "$(readlink -f "$link")" = "$DEV" ] || fail "$link points at $(readlink -f "$link"), want $DEV"
 	echo "udev: $link -> $(readlink "$link")"
 	"$BIN/rblk-attach" status | tee -a "$LOGS/status.log"
