@@ -197,9 +197,18 @@ func TestStatus(t *testing.T) {
 		t.Errorf("list --json: %s", got)
 	}
 
+	// A second attach, killed: its file stays until status finds it stale.
+	a2 := startAttach(t, tg, "ro1", "--state-dir", state)
+	if es := attachStatus(t, state); len(es) != 2 {
+		t.Fatalf("status with two attaches: %+v", es)
+	}
+	a2.kill9(t)
+	if _, err := os.Stat(filepath.Join(state, fmt.Sprintf("%d.json", a2.cmd.Process.Pid))); err != nil {
+		t.Fatalf("the killed attach's status file: %v, want it left behind", err)
+	}
 	a.stop(t, stopTimeout)
 	if es := attachStatus(t, state); len(es) != 0 {
-		t.Errorf("status after the attach exited: %+v, want []", es)
+		t.Errorf("status after the attaches exited (one killed): %+v, want []", es)
 	}
 	if des, _ := os.ReadDir(state); len(des) != 0 {
 		t.Errorf("%s holds %d files after the attach exited, want none", state, len(des))
