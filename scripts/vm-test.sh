@@ -6,7 +6,8 @@
 # verbs provider's tests; rblk over RDMA on /dev/nbd0 with ext4 and fio
 # verify beside the kernel's NVMe-oF RDMA; a cache smaller than the volume
 # (revokes under fio verify); 64K chunks; kill -9 of rblkd mid-fio and
-# restart; a link fault; the guest's dmesg; rxe counters.
+# restart; a link fault; the udev rule's /dev/disk/by-rblk names; the
+# guest's dmesg; rxe counters.
 #
 # Kernels (RBLK_VM_KERNELS, default "6.1 6.12"):
 #   6.1   Debian 12's linux-image-amd64, installed on the host (/boot)

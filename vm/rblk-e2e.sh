@@ -32,6 +32,9 @@
 #              detach removes the device the kernel kept. Without ublk_drv (6.1): attach
 #              --device ublk is refused at once in one line. bench gets a
 #              "rblk ublk" column where the kernel has it;
+#  udev        systemd/99-rblk.rules under a systemd-udevd started here:
+#              /dev/disk/by-rblk/TARGET/vol points at the /dev/nbdN (and,
+#              with ublk_drv, /dev/ublkbN) attached, and goes with detach;
 #  small-cache a cache of a quarter of the volume: fio verify randrw over the
 #              whole volume passes, and rblkd evicted chunks and revoked
 #              grants (its /metrics);
