@@ -6,6 +6,11 @@ PREFIX    ?= /usr/local
 BINDIR    ?= $(PREFIX)/bin
 UNITDIR   ?= /etc/systemd/system
 CONFDIR   ?= /etc/rblk
+MANDIR    ?= $(PREFIX)/share/man
+BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR  ?= $(PREFIX)/share/zsh/site-functions
+FISHCOMPDIR ?= $(PREFIX)/share/fish/vendor_completions.d
+UDEVDIR   ?= /etc/udev/rules.d
 FUZZTIME  ?= 10s
 GOBIN_DIR := $(shell $(GO) env GOPATH 2>/dev/null)/bin
 STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/staticcheck)
@@ -14,7 +19,7 @@ STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/s
 # rdma says how to get it and auto uses tcp.
 TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/rdma/rdma_cma.h && echo rdma)
 
-.PHONY: all help build test unit e2e fuzz bench gobench lint quickstart install uninstall clean
+.PHONY: all help build docs test unit e2e fuzz bench gobench lint quickstart install uninstall clean
 
 all: build
 
@@ -29,11 +34,19 @@ help:
 	@echo "make gobench     the go benchmarks (go test -bench)"
 	@echo "make lint        gofmt, go vet, staticcheck"
 	@echo "make quickstart  scripts/quickstart.sh (root)"
-	@echo "make install     binaries to $(BINDIR), systemd units to $(UNITDIR), example env files to $(CONFDIR)"
+	@echo "make docs        man pages and bash/zsh/fish completions in bin/docs (gen-docs)"
+	@echo "make install     binaries to $(BINDIR), systemd units to $(UNITDIR), example env files to $(CONFDIR),"
+	@echo "                 man pages to $(MANDIR)/man1, shell completions, the udev rule to $(UDEVDIR)"
 	@echo "make clean       remove bin/"
 
 build:
 	$(GO) build -tags '$(TAGS)' -o bin/ ./cmd/rblkd ./cmd/rblk-attach
+
+# The man pages and completions, from the commands themselves.
+docs: build
+	rm -rf bin/docs
+	bin/rblkd gen-docs bin/docs
+	bin/rblk-attach gen-docs bin/docs
 
 test:
 	bash scripts/test.sh
@@ -66,10 +79,18 @@ lint:
 quickstart:
 	bash scripts/quickstart.sh
 
-install: build
-	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(CONFDIR)
+install: build docs
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(CONFDIR) $(DESTDIR)$(MANDIR)/man1 \
+		$(DESTDIR)$(BASHCOMPDIR) $(DESTDIR)$(ZSHCOMPDIR) $(DESTDIR)$(FISHCOMPDIR) $(DESTDIR)$(UDEVDIR)
 	install -m 0755 bin/rblkd bin/rblk-attach $(DESTDIR)$(BINDIR)/
 	install -m 0644 systemd/rblkd.service systemd/rblk-attach@.service $(DESTDIR)$(UNITDIR)/
+	install -m 0644 bin/docs/man1/*.1 $(DESTDIR)$(MANDIR)/man1/
+	install -m 0644 bin/docs/bash-completion/rblkd bin/docs/bash-completion/rblk-attach $(DESTDIR)$(BASHCOMPDIR)/
+	install -m 0644 bin/docs/zsh/_rblkd bin/docs/zsh/_rblk-attach $(DESTDIR)$(ZSHCOMPDIR)/
+	install -m 0644 bin/docs/fish/rblkd.fish bin/docs/fish/rblk-attach.fish $(DESTDIR)$(FISHCOMPDIR)/
+	sed 's|/usr/local/bin/|$(BINDIR)/|g' systemd/99-rblk.rules > $(DESTDIR)$(UDEVDIR)/99-rblk.rules
+	chmod 0644 $(DESTDIR)$(UDEVDIR)/99-rblk.rules
+	@if [ -z "$(DESTDIR)" ] && command -v udevadm >/dev/null 2>&1 && [ -d /run/udev ]; then udevadm control --reload; fi
 	@# Example settings: never overwrite a file the administrator edited.
 	@for f in rblkd.env attach-vol0.env; do \
 		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \
@@ -86,6 +107,12 @@ install: build
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/rblkd $(DESTDIR)$(BINDIR)/rblk-attach
 	rm -f $(DESTDIR)$(UNITDIR)/rblkd.service $(DESTDIR)$(UNITDIR)/rblk-attach@.service
+	rm -f $(DESTDIR)$(MANDIR)/man1/rblkd.1 $(DESTDIR)$(MANDIR)/man1/rblkd-*.1 \
+		$(DESTDIR)$(MANDIR)/man1/rblk-attach.1 $(DESTDIR)$(MANDIR)/man1/rblk-attach-*.1
+	rm -f $(DESTDIR)$(BASHCOMPDIR)/rblkd $(DESTDIR)$(BASHCOMPDIR)/rblk-attach \
+		$(DESTDIR)$(ZSHCOMPDIR)/_rblkd $(DESTDIR)$(ZSHCOMPDIR)/_rblk-attach \
+		$(DESTDIR)$(FISHCOMPDIR)/rblkd.fish $(DESTDIR)$(FISHCOMPDIR)/rblk-attach.fish
+	rm -f $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 
 clean:
 	rm -rf bin/

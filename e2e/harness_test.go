@@ -187,8 +187,18 @@ type proc struct {
 // stop it, and prints its output if the test failed.
 func startProc(t *testing.T, name, bin string, args ...string) *proc {
 	t.Helper()
+	return startProcEnv(t, name, nil, bin, args...)
+}
+
+// startProcEnv is startProc with env ("KEY=VALUE") added to the test's
+// environment.
+func startProcEnv(t *testing.T, name string, env []string, bin string, args ...string) *proc {
+	t.Helper()
 	p := &proc{name: name, out: &syncBuffer{}, done: make(chan struct{})}
 	p.cmd = exec.Command(bin, args...)
+	if env != nil {
+		p.cmd.Env = append(os.Environ(), env...)
+	}
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
 	// If the test binary dies, so do its daemons.
@@ -346,6 +356,10 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 			// /etc/rblk/hostid is left alone): two attaches of one host
 			// and export would fence each other.
 			args = append(args, "--host-id", fmt.Sprintf("e2e-%s-%d", filepath.Base(sock[:len(sock)-len("/nbd.sock")]), attempt))
+		}
+		if !slices.Contains(extra, "--state-dir") {
+			// Status files beside the socket, not in this machine's /run.
+			args = append(args, "--state-dir", filepath.Join(filepath.Dir(sock), "state"))
 		}
 		args = append(args, extra...)
 		p := startProc(t, "rblk-attach", attachBin, args...)

@@ -16,6 +16,12 @@ import (
 // reconnects them all.
 func (v *Volume) supervise(set *queueSet) {
 	defer close(v.superDone)
+	reconnects := 0
+	onLink := func(up bool) {
+		if v.opts.OnLink != nil {
+			v.opts.OnLink(up, reconnects)
+		}
+	}
 	for {
 		select {
 		case <-v.stop:
@@ -45,6 +51,7 @@ func (v *Volume) supervise(set *queueSet) {
 			}
 		}
 		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(linkErr))
+		onLink(false)
 		set.teardown()
 		if v.opts.ReconnectTimeout < 0 {
 			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, linkErr))
@@ -71,6 +78,8 @@ func (v *Volume) supervise(set *queueSet) {
 		v.mu.Unlock()
 		v.m.sessions.Set(1)
 		v.m.reconnects.Inc()
+		reconnects++
+		onLink(true)
 		if unflushed && !sameTarget {
 			v.log.Warn("reconnected to another target instance: writes since the last flush may be lost; the next flush reports it",
 				zap.String("target", v.opts.Target), zap.String("export", v.opts.Export), zap.Int("queues", len(ns.qs)))

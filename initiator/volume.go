@@ -95,6 +95,12 @@ type Options struct {
 	// reports the new size: a front end tells its device. Calls are made
 	// one at a time, in order, on a goroutine of their own.
 	OnResize func(oldSize, newSize uint64)
+	// OnLink, if set, is called when the session's connection is lost
+	// (up false) and when it is made again (up true, with the number of
+	// reconnects so far): a status file or a dashboard follows the volume
+	// with it. Calls come one at a time from the volume's supervising
+	// goroutine; it must not block, and must not call the volume.
+	OnLink func(up bool, reconnects int)
 }
 
 // Volume is an open remote volume. It implements blockdev.Backend: reads are

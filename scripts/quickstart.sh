@@ -113,7 +113,7 @@ cleanup() {
 	rm -f "$SOCK"
 	if [ "$rc" -eq 0 ] && [ "$bad" -eq 0 ]; then
 		printf '\n\033[32mquickstart passed.\033[0m The volume stays in %s (rm -r %s to remove it).\n' "$VOLUME" "$QS_DIR"
-		printf 'Next: sudo scripts/test.sh runs every test; README.md has the CLI reference.\n'
+		printf 'Next: scripts/test.sh (as root) runs every test; README.md has the CLI reference.\n'
 		exit 0
 	fi
 	printf '\n\033[31mquickstart failed.\033[0m Logs: %s/rblkd.log, %s/rblk-attach.log\n' "$QS_DIR" "$QS_DIR" >&2
@@ -136,7 +136,7 @@ wait_for() {
 	die "$what: not ready after 30s"
 }
 
-[ "$(id -u)" -eq 0 ] || die "run as root (sudo $0): it loads modules, sets up a loop device and mounts"
+[ "$(id -u)" -eq 0 ] || die "run as root (as root: $0; or sudo $0): it loads modules, sets up a loop device and mounts"
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 

@@ -80,7 +80,7 @@ setup() {
 	# toolchain for the race detector, and rdma-core's headers for the verbs
 	# provider (-tags rdma).
 	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
-		libibverbs-dev librdmacm-dev prometheus
+		libibverbs-dev librdmacm-dev prometheus systemd
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
@@ -136,6 +136,12 @@ alert_rules() {
 	promtool check rules dashboards/alerts.yml && promtool test rules dashboards/alerts_test.yml
 }
 
+# units_check verifies systemd/'s units (scripts/verify-units.sh) against
+# freshly built binaries in bin/.
+units_check() {
+	go build -o bin/ ./cmd/rblkd ./cmd/rblk-attach && bash scripts/verify-units.sh
+}
+
 e2e_tests() {
 	RBLK_E2E_REQUIRE=1 go test -count=1 -v -timeout 15m ./e2e/
 }
@@ -189,6 +195,7 @@ step "go vet ./..." go vet ./...
 step "staticcheck ./..." staticcheck ./...
 step "go vet and staticcheck -tags rdma ./transport/..." rdma_lint
 step "promtool check rules and test rules dashboards/alerts.yml" alert_rules
+step "systemd units: systemd-analyze verify (scripts/verify-units.sh)" units_check
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
 fuzz_all

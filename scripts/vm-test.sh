@@ -6,7 +6,8 @@
 # verbs provider's tests; rblk over RDMA on /dev/nbd0 with ext4 and fio
 # verify beside the kernel's NVMe-oF RDMA; a cache smaller than the volume
 # (revokes under fio verify); 64K chunks; kill -9 of rblkd mid-fio and
-# restart; a link fault; the guest's dmesg; rxe counters.
+# restart; a link fault; the udev rule's /dev/disk/by-rblk names; the
+# guest's dmesg; rxe counters.
 #
 # Kernels (RBLK_VM_KERNELS, default "6.1 6.12"):
 #   6.1   Debian 12's linux-image-amd64, installed on the host (/boot)
@@ -58,6 +59,7 @@ art=$(mktemp -d /var/tmp/rblk-vm-bin.XXXXXX)
 trap 'rm -rf "$art"' EXIT
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
+cp systemd/99-rblk.rules "$art/" # (the udev scenario)
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 go test -c -tags rdma -o "$art/target.test" ./target/
 go test -c -o "$art/kernel.test" ./initiator/kernel/

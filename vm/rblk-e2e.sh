@@ -39,6 +39,9 @@
 #              a target in process grows the attached volume,
 #              /sys/block/nbdN/size shows the new size (NBD_CMD_RECONFIGURE),
 #              O_DIRECT IO at the new end works;
+#  udev        systemd/99-rblk.rules under a systemd-udevd started here:
+#              /dev/disk/by-rblk/TARGET/vol points at the /dev/nbdN (and,
+#              with ublk_drv, /dev/ublkbN) attached, and goes with detach;
 #  small-cache a cache of a quarter of the volume: fio verify randrw over the
 #              whole volume passes, and rblkd evicted chunks and revoked
 #              grants (its /metrics);
@@ -270,6 +273,49 @@ rxe_snap() {
 		[ -f "$f" ] || continue
 		echo "$1,${f##*/},$(cat "$f" 2>/dev/null || echo n/a)"
 	done >>"$WORK/rxe-counters.csv"
+}
+
+# udev: systemd/99-rblk.rules (copied beside the binaries by vm-test.sh)
+# under a systemd-udevd started here (the guest has none; its rules dir
+# /run/udev/rules.d is on tmpfs): an NBD device attached by rblk-attach
+# gets /dev/disk/by-rblk/TARGET/EXPORT, gone after detach; likewise a
+# ublk device where the kernel has ublk_drv.
+scen_udev() {
+	local udevd link
+	udevd=$(command -v systemd-udevd || echo /lib/systemd/systemd-udevd)
+	[ -x "$udevd" ] || fail "no systemd-udevd (Debian package udev)"
+	[ -f "$BIN/99-rblk.rules" ] || fail "no 99-rblk.rules beside the binaries"
+	mkdir -p /run/udev/rules.d
+	sed "s|/usr/local/bin/rblk-attach|$BIN/rblk-attach|g" "$BIN/99-rblk.rules" >/run/udev/rules.d/99-rblk.rules
+	"$udevd" --daemon >"$LOGS/udevd.log" 2>&1 || fail "systemd-udevd --daemon"
+	wait_for 20 udevadm control --ping || fail "systemd-udevd does not answer"
+	gone() { [ ! -e "$1" ] && [ ! -L "$1" ]; }
+	serve udev-rblkd.log 7640 16
+	link="/dev/disk/by-rblk/$TGT/vol"
+	attach udev-attach.log 16
+	udevadm settle -t 20 || true
+	wait_for 20 test -L "$link" || { find /dev/disk/by-rblk -ls 2>&1 | head; udevadm info "$DEV"; fail "no $link for $DEV"; }
+	[ "$(readlink -f "$link")" = "$DEV" ] || fail "$link points at $(readlink -f "$link"), want $DEV"
+	echo "udev: $link -> $(readlink "$link")"
+	"$BIN/rblk-attach" status | tee -a "$LOGS/status.log"
+	detach
+	udevadm settle -t 20 || true
+	wait_for 20 gone "$link" || fail "$link left behind after detach"
+	if has_ublk; then
+		attach_ublk udev-ublk.log 16
+		udevadm settle -t 20 || true
+		wait_for 20 test -L "$link" || { udevadm info "$DEV"; fail "no $link for $DEV"; }
+		[ "$(readlink -f "$link")" = "$DEV" ] || fail "$link points at $(readlink -f "$link"), want $DEV"
+		echo "udev: $link -> $(readlink "$link")"
+		"$BIN/rblk-attach" detach "$DEV" || fail "rblk-attach detach $DEV"
+		wait_exit "$APID" "rblk-attach attach --device ublk"
+		udevadm settle -t 20 || true
+		wait_for 20 gone "$link" || fail "$link left behind after the ublk detach"
+	else
+		echo "no ublk_drv: the ublk half is left out"
+	fi
+	stop_rblkd
+	udevadm control --exit || true
 }
 
 # scenario NAME FUNC: run FUNC in a subshell with its own LOGS, record
@@ -973,6 +1019,7 @@ scenario security scen_security
 scenario basic scen_basic
 scenario ublk scen_ublk
 if [ -x "$BIN/kernel.test" ]; then scenario grow scen_grow; fi
+scenario udev scen_udev
 scenario bench scen_bench
 scenario small-cache scen_small_cache
 scenario chunk-64k scen_chunk_64k

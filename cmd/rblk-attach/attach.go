@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/cmd/internal/attachstate"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
@@ -30,17 +31,20 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd(), newDoctorCmd())
+	root.AddCommand(newAttachCmd(), newDetachCmd(), newListCmd(), newStatusCmd(), newDoctorCmd(), newUdevIDCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
 type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
 	hostID, hostIDFile, secretFile                           string
+	stateDir                                                 string
 	readOnly, debug, takeover                                bool
 	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
 	queues                                                   int
 	dev                                                      deviceFlags // --device: see device.go
+
+	state *stateFile // this attach's status file (status.go); not a flag
 }
 
 func newAttachCmd() *cobra.Command {
@@ -86,6 +90,7 @@ CPU (--connections sets how many), same lifecycle.`,
 	fl.DurationVar(&f.flushTimeout, "flush-timeout", initiator.DefaultFlushTimeout,
 		"the same for flushes and FUA writes, which wait for the target's disk")
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
+	fl.StringVar(&f.stateDir, "state-dir", attachstate.DefaultDir, "keep this attach's status file (rblk-attach status) in this folder (empty: none)")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
 	return cmd
@@ -183,13 +188,16 @@ func attach(f attachFlags) error {
 		}
 	}
 	grow := newGrowHook(log, f.export)
-	vol, err := initiator.Open(octx, initiator.Options{Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
+	f.state = newStateFile(ctx, f.stateDir, f, queues, log)
+	defer f.state.remove()
+	vol, err := initiator.Open(octx, initiator.Options{OnLink: f.state.onLink, Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
 		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg), OnResize: grow.onResize})
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)
 	}
+	f.state.opened(p.Name(), vol.Size(), vol.ReadOnly())
 	if ublk.IsDevice(f.dev.device) {
 		return serveUblk(ctx, f, vol, log, why, grow)
 	}
@@ -205,6 +213,7 @@ func attach(f attachFlags) error {
 	log.Info("attached", zap.String("export", f.export), zap.String("target", f.target), zap.String("transport", why),
 		zap.String("nbd", f.nbdListen), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()))
 	grow.set(vol.Size(), vol.Size(), grow.nbdSocket)
+	f.state.attached("")
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ctx, ln) }()
@@ -219,6 +228,7 @@ func attach(f attachFlags) error {
 		runErr = err
 		serveErr <- nil
 	}
+	f.state.ending(runErr)
 	srv.Close()
 	<-serveErr
 	return closeVolume(vol, log, runErr)
@@ -260,6 +270,7 @@ func readSecret(path string) ([]byte, error) {
 
 func newListCmd() *cobra.Command {
 	var target, transport, hostID, hostIDFile, secretFile string
+	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "list --target HOST:PORT",
 		Short: "List a target's exports with size and mode",
@@ -286,6 +297,9 @@ func newListCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if asJSON {
+				return exportsJSON(cmd.OutOrStdout(), exports)
+			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintln(w, "NAME\tSIZE\tBYTES\tMODE")
 			for _, e := range exports {
@@ -303,6 +317,7 @@ func newListCmd() *cobra.Command {
 	cmd.Flags().StringVar(&hostID, "host-id", "", "this host's identity (default: read "+cli.DefaultHostIDFile+", created on first use)")
 	cmd.Flags().StringVar(&hostIDFile, "host-id-file", cli.DefaultHostIDFile, "file holding the host ID when --host-id is not given")
 	cmd.Flags().StringVar(&secretFile, "secret-file", "", "file holding this host's secret (mode 0600)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print a JSON list of {name, size, read_only, can_trim, can_zero, can_flush}")
 	return cmd
 }
 

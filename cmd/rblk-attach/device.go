@@ -102,6 +102,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()),
 		zap.Int("connections", dev.Connections()))
 	grow.set(exp.Size, vol.Size(), grow.nbdDevice(dev))
+	f.state.attached(dev.Path())
 
 	var runErr error
 	select {
@@ -118,6 +119,7 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 			log.Info("device disconnected by another process: flushing and closing", zap.String("device", dev.Path()))
 		}
 	}
+	f.state.ending(runErr)
 	dctx, dcancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer dcancel()
 	if err := dev.Detach(dctx); err != nil && runErr == nil {

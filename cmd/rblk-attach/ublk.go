@@ -55,6 +55,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", ro),
 		zap.Int("queues", dev.Queues()))
 	grow.set(size, vol.Size(), grow.ublkDevice(dev.Path()))
+	f.state.attached(dev.Path())
 
 	var runErr error
 	select {
@@ -71,6 +72,7 @@ func serveUblk(ctx context.Context, f attachFlags, vol *initiator.Volume, log *z
 			log.Info("device stopped by another process: flushing and closing", zap.String("device", dev.Path()))
 		}
 	}
+	f.state.ending(runErr)
 	dctx, dcancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer dcancel()
 	if err := dev.Detach(dctx); err != nil && runErr == nil {

@@ -63,7 +63,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCmd(), newDoctorCmd())
+	root.AddCommand(newServeCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
@@ -200,6 +200,8 @@ func serve(f serveFlags) error {
 	}
 	log.Info("rblkd serving", zap.String("listen", l.Addr()), zap.String("transport", why),
 		zap.Int64("cache_size", cacheSize), zap.Int64("chunk_size", chunkSize))
+	// Listening and /metrics up: systemd may start what depends on rblkd.
+	defer cli.NotifyReady(ctx, log, fmt.Sprintf("serving %d exports on %s", len(exports), l.Addr()))()
 	serveErr := t.Serve(ctx, l)
 	log.Info("stopping: writing back and syncing every volume")
 	closeErr := t.Close()
