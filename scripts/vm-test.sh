@@ -37,7 +37,8 @@ KERNELS=${RBLK_VM_KERNELS:-6.1 6.12}
 CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
 
 need=()
-for p in libibverbs-dev librdmacm-dev xz-utils kmod; do
+# (nbdkit and nbd-client: the guest's "nbd null" column of the bench)
+for p in libibverbs-dev librdmacm-dev xz-utils kmod nbdkit nbd-client; do
 	dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

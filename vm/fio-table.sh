@@ -18,6 +18,10 @@
 #                                    "rblk"; C, e.g. "rblk-before", if not
 #                                    empty) [| X | X/A]... (more front ends,
 #                                    e.g. "rblk ublk", against A)
+#   fio_share CSV FLOOR NAME         per job, FLOOR's mean latency and CPU
+#                                    per IO as a share of NAME's (medians):
+#                                    how much of NAME's cost its front end
+#                                    alone has (FLOOR "nbd null", NAME "rblk")
 #   fio_json CSV                     the CSV as a JSON array of objects
 #   fio_floors JSON                  the fabric's floor on $RBLK_VM_RDMA_DEV:
 #                                    perftest's ib_read_lat (4 KiB, QD1) and
@@ -186,6 +190,36 @@ fio_table() {
 			printf "\n"
 		}
 		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO)\n", reps
+	}' "$csv"
+}
+
+fio_share() {
+	local csv=${1:?usage: fio_share CSV FLOOR NAME} f=${2:?usage: fio_share CSV FLOOR NAME} b=${3:?usage: fio_share CSV FLOOR NAME}
+	awk -F, -v F="$f" -v B="$b" '
+	function med(k, x,    n, i, j, t, v) {
+		n = cnt[k]
+		for (i = 1; i <= n; i++) v[i] = val[k, x, i]
+		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+	}
+	function pct(x, y) { return (y > 0) ? sprintf("%3.0f%%", 100 * x / y) : "   -" }
+	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
+	{
+		job = $(col["job"])
+		if (!(job in seen)) { seen[job] = 1; jobs[++n] = job }
+		k = $(col["name"]) SUBSEP job
+		i = ++cnt[k]
+		val[k, "lat", i] = $(col["lat_mean_us"]); val[k, "cpu", i] = $(col["cpu_us_per_io"])
+	}
+	END {
+		printf "%s as a share of %s (the front end alone: the same kernel NBD device and fio, no network, no data):\n", F, B
+		for (i = 1; i <= n; i++) {
+			kf = F SUBSEP jobs[i]; kb = B SUBSEP jobs[i]
+			if (!(kf in cnt) || !(kb in cnt)) continue
+			printf "  %-20s latency %6.0f of %6.0f us (%s)   cpu %5.0f of %5.0f us/IO (%s)\n", jobs[i],
+				med(kf, "lat"), med(kb, "lat"), pct(med(kf, "lat"), med(kb, "lat")),
+				med(kf, "cpu"), med(kb, "cpu"), pct(med(kf, "cpu"), med(kb, "cpu"))
+		}
 	}' "$csv"
 }
 

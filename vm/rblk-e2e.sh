@@ -78,6 +78,7 @@ LIB=${RBLK_VM_LIB:-$(dirname "$0")}
 . "$LIB/lib.sh"
 . "$LIB/nvmeof.sh"
 . "$LIB/fio-table.sh"
+. "$LIB/nbdnull.sh"
 TRANSPORT=${RBLK_TRANSPORT:-rdma}
 IP=${RBLK_VM_ADDR:-192.0.2.1}
 RXE=${RBLK_VM_RDMA_DEV:-rxe0}
@@ -468,7 +469,7 @@ hw_queues() {
 
 scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
-	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram=''
+	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram='' ndev=''
 	if [ -n "$before" ]; then
 		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
 		nram=3
@@ -509,12 +510,25 @@ scen_bench() {
 		attach_ublk attach-ublk.log "$size" --connections "$BENCH_QUEUES"
 		udev=$DEV u_apid=$APID u_rblkd=$RBLKD
 	fi
+	# The NBD front end's floor: a /dev/nbdN like rblk's (as many
+	# connections, 4 KiB blocks) on nbdkit's null plugin, nothing behind it.
+	if nbd_null_available; then
+		ndev=$(free_nbd) || fail "no free /dev/nbdN"
+		step "nbd null: nbdkit null ${size}M on a unix socket, nbd-client -connections $BENCH_QUEUES on $ndev"
+		nbd_null_setup "$ndev" "$size" "$BENCH_QUEUES" 2>>"$LOGS/nbd-null.log" ||
+			fail "nbd null on $ndev: $(tail -n 3 "$LOGS/nbd-null.log")"
+	fi
 	{
 		echo "kernel $(uname -r), $(nproc) CPUs; each device a brd RAM disk of $size MiB; fio $FIO_RAMP s warm + $FIO_RUNTIME s measured, ${FIO_REPS:-2} reps interleaved"
 		echo "nvme-of rdma: $nvme, $(hw_queues "$nvme") hardware queues (nvme connect --nr-io-queues $BENCH_QUEUES)"
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
+		if [ -n "$ndev" ]; then
+			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data"
+		else
+			echo "nbd null: no column (nbdkit or nbd-client missing on the host: apt-get install nbdkit nbd-client)"
+		fi
 	} | tee "$BIN/fio-info.txt"
 
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
@@ -529,6 +543,7 @@ scen_bench() {
 	local devs=("nvme-of rdma=$nvme" "rblk=$rblk_dev")
 	[ -z "$bdev" ] || devs+=("rblk-before=$bdev")
 	[ -z "$udev" ] || devs+=("rblk ublk=$udev")
+	[ -z "$ndev" ] || devs+=("nbd null=$ndev")
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
@@ -536,13 +551,15 @@ scen_bench() {
 		{
 			grep '^fabric floor' "$BIN/fio-floors.txt"
 			cat "$BIN/fio-info.txt"
-			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"}
+			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"} ${ndev:+"nbd null"}
+			[ -z "$ndev" ] || fio_share "$csv" "nbd null" rblk
 		} | tee "$BIN/fio-table.txt"
 	fi
 	[ "$rc" = 0 ] || fail "a fio job failed"
 
 	step "teardown"
 	nvmet_teardown
+	nbd_null_teardown 2>>"$LOGS/nbd-null.log" || fail "nbd null teardown: $(tail -n 3 "$LOGS/nbd-null.log")"
 	curl -fsS "$TM/metrics" | grep -E '^rblkd_(grants|revokes|cache_loads|cache_evictions|written_bytes|writeback_bytes)_total' || true
 	if [ -n "$bdev" ]; then
 		DEV=$bdev APID=$b_apid detach
