@@ -441,8 +441,12 @@ scen_basic() {
 # random bytes (reads hit data, not the zero pages of unwritten sectors);
 # rblkd's cache holds the volume. nvme connect --nr-io-queues and
 # rblk-attach --connections get the same BENCH_QUEUES. The fabric's floor
-# first (perftest's ib_read_lat and ib_read_bw over rdma_cm on $RXE). Every
-# job FIO_REPS times, interleaved (vm/fio-table.sh). With
+# first (perftest's ib_read_lat and ib_read_bw over rdma_cm on $RXE). The
+# NBD front end's floor as the column "nbd null": a /dev/nbdN on nbdkit's
+# null plugin over a unix socket, connected by nbd-client with
+# BENCH_QUEUES connections (vm/nbdnull.sh; left out, with a line saying so,
+# when nbdkit or nbd-client is missing); no ublk floor (no null ublk server
+# at hand). Every job FIO_REPS times, interleaved (vm/fio-table.sh). With
 # RBLK_VM_BASELINE_BIN=DIR (a host path: the guest sees the host's root),
 # DIR/rblkd and DIR/rblk-attach on /dev/ram2 as the column "rblk-before".
 # Writes fio-table.txt (floor, queues, table), fio-table.csv/.json,
