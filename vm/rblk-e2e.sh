@@ -521,6 +521,9 @@ scen_bench() {
 		step "nbd null: nbdkit null ${size}M on a unix socket, nbd-client -connections $BENCH_QUEUES on $ndev"
 		nbd_null_setup "$ndev" "$size" "$BENCH_QUEUES" 2>>"$LOGS/nbd-null.log" ||
 			fail "nbd null on $ndev: $(tail -n 3 "$LOGS/nbd-null.log")"
+		# (a floor for rblk's device only with as many queues as it has)
+		[ "$(hw_queues "$ndev")" = "$(hw_queues "$rblk_dev")" ] ||
+			fail "nbd null: $ndev has $(hw_queues "$ndev") hardware queues, rblk's $rblk_dev $(hw_queues "$rblk_dev")"
 	fi
 	{
 		echo "kernel $(uname -r), $(nproc) CPUs; each device a brd RAM disk of $size MiB; fio $FIO_RAMP s warm + $FIO_RUNTIME s measured, ${FIO_REPS:-2} reps interleaved"
