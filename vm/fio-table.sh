@@ -231,19 +231,27 @@ fio_json() {
 }
 
 # _perftest NAME ARGS...: server and client of perftest tool NAME on
-# $RBLK_VM_ADDR (rdma_cm); the client's output on stdout.
+# $RBLK_VM_ADDR (rdma_cm); the client's output on stdout. Up to 3 tries,
+# each with a new server: under a loaded host a perftest process has been
+# seen to crash in librdmacm (a general protection fault) and take the
+# pair down.
 _perftest() {
-	local tool=$1 spid out i rc=1
+	local tool=$1 spid out try i rc=1
 	shift
 	local addr=${RBLK_VM_ADDR:-192.0.2.1} dev=${RBLK_VM_RDMA_DEV:-rxe0}
-	timeout 60 "$tool" -d "$dev" -R -F "$@" >/tmp/perftest-server.txt 2>&1 &
-	spid=$!
-	for i in 1 2 3 4 5 6 7 8 9 10; do
-		sleep 0.5
-		if out=$(timeout 60 "$tool" -d "$dev" -R -F "$@" "$addr" 2>&1); then rc=0; break; fi
-		kill -0 "$spid" 2>/dev/null || break
+	for try in 1 2 3; do
+		timeout 60 "$tool" -d "$dev" -R -F "$@" >/tmp/perftest-server.txt 2>&1 &
+		spid=$!
+		for i in 1 2 3 4 5 6 7 8 9 10; do
+			sleep 0.5
+			if out=$(timeout 60 "$tool" -d "$dev" -R -F "$@" "$addr" 2>&1); then rc=0; break; fi
+			kill -0 "$spid" 2>/dev/null || break
+		done
+		[ $rc = 0 ] || kill "$spid" 2>/dev/null
+		wait "$spid" 2>/dev/null
+		[ $rc != 0 ] || break
+		echo "_perftest: $tool, try $try of 3 failed (client attempt $i): $(tail -n 2 <<<"$out" | tr '\n' ' ')" >&2
 	done
-	wait "$spid" 2>/dev/null
 	echo "$out"
 	return $rc
 }
