@@ -29,7 +29,7 @@
 #                                          # DIR/rblk-attach (an older build)
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, and the table's FIO_REPS, FIO_RUNTIME, FIO_RAMP,
-# BENCH_MB, BENCH_QUEUES (vm/rblk-e2e.sh).
+# BENCH_MB, BENCH_QUEUES, BENCH_NULL_JOBS (vm/rblk-e2e.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
@@ -66,7 +66,7 @@ if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
 : >"$art/env.sh"
-for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES; do
+for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS; do
 	if [ -n "${!v:-}" ]; then
 		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.sh"
 	fi

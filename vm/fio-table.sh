@@ -7,10 +7,13 @@
 #                                    lat_mean_us,lat_p99_us,ios_all,
 #                                    cpu_busy_ticks,cpu_us_per_io
 #   fio_all NAME DEVICE CSV [REP]    run every job of $FIO_JOBS in order
-#   fio_interleaved CSV NAME=DEV...  every job of $FIO_JOBS on every device,
+#   fio_interleaved CSV NAME=DEV[=JOB,JOB...]...
+#                                    every job of $FIO_JOBS on every device,
 #                                    $FIO_REPS times, interleaved: for each
 #                                    rep, for each job, each device in turn
-#                                    (the order rotates from rep to rep)
+#                                    (the order rotates from rep to rep); a
+#                                    device given with =JOB,JOB... runs only
+#                                    those of the jobs
 #   fio_table CSV [NAME_A [NAME_B [NAME_C [NAME_X...]]]]
 #                                    side-by-side table from CSV, medians of
 #                                    the reps: job | A | B | B/A (IOPS)
@@ -124,7 +127,7 @@ fio_all() {
 }
 
 fio_interleaved() {
-	local csv=${1:?usage: fio_interleaved CSV NAME=DEVICE...} rep job i n rc=0 nd
+	local csv=${1:?usage: fio_interleaved CSV NAME=DEVICE[=JOB,JOB...]...} rep job i n d rc=0 nd
 	shift
 	local devs=("$@")
 	nd=${#devs[@]}
@@ -132,7 +135,13 @@ fio_interleaved() {
 		for job in $FIO_JOBS; do
 			for i in $(seq 0 $((nd - 1))); do
 				n=${devs[$(((i + rep - 1) % nd))]}
-				fio_run "${n%%=*}" "${n#*=}" "$job" "$csv" "$rep" || rc=1
+				d=${n#*=}
+				# (=JOB,JOB...: this device runs only those jobs)
+				if [ "${d#*=}" != "$d" ]; then
+					case ,${d#*=}, in *,"$job",*) ;; *) continue ;; esac
+					d=${d%%=*}
+				fi
+				fio_run "${n%%=*}" "$d" "$job" "$csv" "$rep" || rc=1
 			done
 		done
 	done

@@ -454,6 +454,9 @@ scen_basic() {
 BENCH_MB=${BENCH_MB:-128}
 BENCH_QUEUES=${BENCH_QUEUES:-2}
 BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488
+# The jobs of the "nbd null" column (empty: all of FIO_JOBS); the test
+# command (scripts/test.sh) runs the 4k QD1 and QD32 ones only, for time.
+BENCH_NULL_JOBS=${BENCH_NULL_JOBS:-}
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
 # head (no queues of its own), its controller's I/O queues (queue_count
@@ -532,7 +535,7 @@ scen_bench() {
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
 		if [ -n "$ndev" ]; then
-			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data"
+			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data${BENCH_NULL_JOBS:+; only $BENCH_NULL_JOBS}"
 		else
 			echo "nbd null: no column (nbdkit or nbd-client missing on the host: apt-get install nbdkit nbd-client)"
 		fi
@@ -550,7 +553,13 @@ scen_bench() {
 	local devs=("nvme-of rdma=$nvme" "rblk=$rblk_dev")
 	[ -z "$bdev" ] || devs+=("rblk-before=$bdev")
 	[ -z "$udev" ] || devs+=("rblk ublk=$udev")
-	[ -z "$ndev" ] || devs+=("nbd null=$ndev")
+	if [ -n "$ndev" ]; then
+		local nj='' j
+		for j in $BENCH_NULL_JOBS; do
+			case " $FIO_JOBS " in *" $j "*) nj+=$j, ;; *) fail "BENCH_NULL_JOBS: '$j' is none of FIO_JOBS ($FIO_JOBS)" ;; esac
+		done
+		devs+=("nbd null=$ndev${nj:+=$nj}")
+	fi
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
