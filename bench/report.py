@@ -27,6 +27,8 @@ import sys
 
 RBLK, BEFORE, NBDKIT, QEMU, NULL = "rblk", "rblk-before", "nbdkit-file", "qemu-nbd", "nbdkit-null"
 NVME, GRBLK, GBEFORE = "nvme-of rdma", "rblk", "rblk-before"
+# the guest's NBD front end alone (nbdkit null through nbd-client): its floor
+GNULL = "nbd null"
 
 # The fabric's floor for each job: the raw one-sided operation of the
 # software transport with the same block size and requests in flight
@@ -426,7 +428,7 @@ def guest_md(guest):
                  f"{fl.get('read_iops', '-')} IOPS (QD{fl.get('read_bw_qd', '?')}).")
         L.append("")
     names = guest["names"]
-    rat = [(GRBLK, NVME)] + ([(GRBLK, GBEFORE)] if GBEFORE in names else [])
+    rat = [(GRBLK, NVME)] + ([(GRBLK, GBEFORE)] if GBEFORE in names else []) + ([(GRBLK, GNULL)] if GNULL in names else [])
     hdr = ["job"] + [f"{n} IOPS" for n in names] + [f"{a}/{b}" for a, b in rat] + [f"{n} µs" for n in names] + [f"{n} CPU µs/IO" for n in names]
     L.append("IOPS: median of the reps (min-max); latency: mean, median of the reps; CPU: busy time of all CPUs "
              "(/proc/stat: user+nice+system+irq+softirq) over the whole fio run divided by all its IOs (fio, kernel, "

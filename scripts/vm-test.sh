@@ -30,7 +30,7 @@
 #                                          # DIR/rblk-attach (an older build)
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, and the table's FIO_REPS, FIO_RUNTIME, FIO_RAMP,
-# BENCH_MB, BENCH_QUEUES (vm/rblk-e2e.sh).
+# BENCH_MB, BENCH_QUEUES, BENCH_NULL_JOBS (vm/rblk-e2e.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
@@ -38,7 +38,8 @@ KERNELS=${RBLK_VM_KERNELS:-6.1 6.12}
 CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
 
 need=()
-for p in libibverbs-dev librdmacm-dev xz-utils kmod; do
+# (nbdkit and nbd-client: the guest's "nbd null" column of the bench)
+for p in libibverbs-dev librdmacm-dev xz-utils kmod nbdkit nbd-client; do
 	dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -68,7 +69,7 @@ if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
 : >"$art/env.sh"
-for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES; do
+for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS; do
 	if [ -n "${!v:-}" ]; then
 		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.sh"
 	fi

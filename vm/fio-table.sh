@@ -7,10 +7,13 @@
 #                                    lat_mean_us,lat_p99_us,ios_all,
 #                                    cpu_busy_ticks,cpu_us_per_io
 #   fio_all NAME DEVICE CSV [REP]    run every job of $FIO_JOBS in order
-#   fio_interleaved CSV NAME=DEV...  every job of $FIO_JOBS on every device,
+#   fio_interleaved CSV NAME=DEV[=JOB,JOB...]...
+#                                    every job of $FIO_JOBS on every device,
 #                                    $FIO_REPS times, interleaved: for each
 #                                    rep, for each job, each device in turn
-#                                    (the order rotates from rep to rep)
+#                                    (the order rotates from rep to rep); a
+#                                    device given with =JOB,JOB... runs only
+#                                    those of the jobs
 #   fio_table CSV [NAME_A [NAME_B [NAME_C [NAME_X...]]]]
 #                                    side-by-side table from CSV, medians of
 #                                    the reps: job | A | B | B/A (IOPS)
@@ -18,6 +21,10 @@
 #                                    "rblk"; C, e.g. "rblk-before", if not
 #                                    empty) [| X | X/A]... (more front ends,
 #                                    e.g. "rblk ublk", against A)
+#   fio_share CSV FLOOR NAME         per job, FLOOR's mean latency and CPU
+#                                    per IO as a share of NAME's (medians):
+#                                    how much of NAME's cost its front end
+#                                    alone has (FLOOR "nbd null", NAME "rblk")
 #   fio_json CSV                     the CSV as a JSON array of objects
 #   fio_floors JSON                  the fabric's floor on $RBLK_VM_RDMA_DEV:
 #                                    perftest's ib_read_lat (4 KiB, QD1) and
@@ -120,7 +127,7 @@ fio_all() {
 }
 
 fio_interleaved() {
-	local csv=${1:?usage: fio_interleaved CSV NAME=DEVICE...} rep job i n rc=0 nd
+	local csv=${1:?usage: fio_interleaved CSV NAME=DEVICE[=JOB,JOB...]...} rep job i n d rc=0 nd
 	shift
 	local devs=("$@")
 	nd=${#devs[@]}
@@ -128,7 +135,13 @@ fio_interleaved() {
 		for job in $FIO_JOBS; do
 			for i in $(seq 0 $((nd - 1))); do
 				n=${devs[$(((i + rep - 1) % nd))]}
-				fio_run "${n%%=*}" "${n#*=}" "$job" "$csv" "$rep" || rc=1
+				d=${n#*=}
+				# (=JOB,JOB...: this device runs only those jobs)
+				if [ "${d#*=}" != "$d" ]; then
+					case ,${d#*=}, in *,"$job",*) ;; *) continue ;; esac
+					d=${d%%=*}
+				fi
+				fio_run "${n%%=*}" "$d" "$job" "$csv" "$rep" || rc=1
 			done
 		done
 	done
@@ -189,6 +202,36 @@ fio_table() {
 	}' "$csv"
 }
 
+fio_share() {
+	local csv=${1:?usage: fio_share CSV FLOOR NAME} f=${2:?usage: fio_share CSV FLOOR NAME} b=${3:?usage: fio_share CSV FLOOR NAME}
+	awk -F, -v F="$f" -v B="$b" '
+	function med(k, x,    n, i, j, t, v) {
+		n = cnt[k]
+		for (i = 1; i <= n; i++) v[i] = val[k, x, i]
+		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+	}
+	function pct(x, y) { return (y > 0) ? sprintf("%3.0f%%", 100 * x / y) : "   -" }
+	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
+	{
+		job = $(col["job"])
+		if (!(job in seen)) { seen[job] = 1; jobs[++n] = job }
+		k = $(col["name"]) SUBSEP job
+		i = ++cnt[k]
+		val[k, "lat", i] = $(col["lat_mean_us"]); val[k, "cpu", i] = $(col["cpu_us_per_io"])
+	}
+	END {
+		printf "%s as a share of %s (the front end alone: the same kernel NBD device and fio, no network, no data):\n", F, B
+		for (i = 1; i <= n; i++) {
+			kf = F SUBSEP jobs[i]; kb = B SUBSEP jobs[i]
+			if (!(kf in cnt) || !(kb in cnt)) continue
+			printf "  %-20s latency %6.0f of %6.0f us (%s)   cpu %5.0f of %5.0f us/IO (%s)\n", jobs[i],
+				med(kf, "lat"), med(kb, "lat"), pct(med(kf, "lat"), med(kb, "lat")),
+				med(kf, "cpu"), med(kb, "cpu"), pct(med(kf, "cpu"), med(kb, "cpu"))
+		}
+	}' "$csv"
+}
+
 fio_json() {
 	local csv=${1:?usage: fio_json CSV}
 	jq -R -s '
@@ -197,19 +240,27 @@ fio_json() {
 }
 
 # _perftest NAME ARGS...: server and client of perftest tool NAME on
-# $RBLK_VM_ADDR (rdma_cm); the client's output on stdout.
+# $RBLK_VM_ADDR (rdma_cm); the client's output on stdout. Up to 3 tries,
+# each with a new server: under a loaded host a perftest process has been
+# seen to crash in librdmacm (a general protection fault) and take the
+# pair down.
 _perftest() {
-	local tool=$1 spid out i rc=1
+	local tool=$1 spid out try i rc=1
 	shift
 	local addr=${RBLK_VM_ADDR:-192.0.2.1} dev=${RBLK_VM_RDMA_DEV:-rxe0}
-	timeout 60 "$tool" -d "$dev" -R -F "$@" >/tmp/perftest-server.txt 2>&1 &
-	spid=$!
-	for i in 1 2 3 4 5 6 7 8 9 10; do
-		sleep 0.5
-		if out=$(timeout 60 "$tool" -d "$dev" -R -F "$@" "$addr" 2>&1); then rc=0; break; fi
-		kill -0 "$spid" 2>/dev/null || break
+	for try in 1 2 3; do
+		timeout 60 "$tool" -d "$dev" -R -F "$@" >/tmp/perftest-server.txt 2>&1 &
+		spid=$!
+		for i in 1 2 3 4 5 6 7 8 9 10; do
+			sleep 0.5
+			if out=$(timeout 60 "$tool" -d "$dev" -R -F "$@" "$addr" 2>&1); then rc=0; break; fi
+			kill -0 "$spid" 2>/dev/null || break
+		done
+		[ $rc = 0 ] || kill "$spid" 2>/dev/null
+		wait "$spid" 2>/dev/null
+		[ $rc != 0 ] || break
+		echo "_perftest: $tool, try $try of 3 failed (client attempt $i): $(tail -n 2 <<<"$out" | tr '\n' ' ')" >&2
 	done
-	wait "$spid" 2>/dev/null
 	echo "$out"
 	return $rc
 }

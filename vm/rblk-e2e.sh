@@ -88,6 +88,7 @@ LIB=${RBLK_VM_LIB:-$(dirname "$0")}
 . "$LIB/lib.sh"
 . "$LIB/nvmeof.sh"
 . "$LIB/fio-table.sh"
+. "$LIB/nbdnull.sh"
 TRANSPORT=${RBLK_TRANSPORT:-rdma}
 IP=${RBLK_VM_ADDR:-192.0.2.1}
 RXE=${RBLK_VM_RDMA_DEV:-rxe0}
@@ -522,8 +523,12 @@ scen_basic() {
 # random bytes (reads hit data, not the zero pages of unwritten sectors);
 # rblkd's cache holds the volume. nvme connect --nr-io-queues and
 # rblk-attach --connections get the same BENCH_QUEUES. The fabric's floor
-# first (perftest's ib_read_lat and ib_read_bw over rdma_cm on $RXE). Every
-# job FIO_REPS times, interleaved (vm/fio-table.sh). With
+# first (perftest's ib_read_lat and ib_read_bw over rdma_cm on $RXE). The
+# NBD front end's floor as the column "nbd null": a /dev/nbdN on nbdkit's
+# null plugin over a unix socket, connected by nbd-client with
+# BENCH_QUEUES connections (vm/nbdnull.sh; left out, with a line saying so,
+# when nbdkit or nbd-client is missing); no ublk floor (no null ublk server
+# at hand). Every job FIO_REPS times, interleaved (vm/fio-table.sh). With
 # RBLK_VM_BASELINE_BIN=DIR (a host path: the guest sees the host's root),
 # DIR/rblkd and DIR/rblk-attach on /dev/ram2 as the column "rblk-before".
 # Writes fio-table.txt (floor, queues, table), fio-table.csv/.json,
@@ -531,6 +536,9 @@ scen_basic() {
 BENCH_MB=${BENCH_MB:-128}
 BENCH_QUEUES=${BENCH_QUEUES:-2}
 BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488
+# The jobs of the "nbd null" column (empty: all of FIO_JOBS); the test
+# command (scripts/test.sh) runs the 4k QD1 and QD32 ones only, for time.
+BENCH_NULL_JOBS=${BENCH_NULL_JOBS:-}
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
 # head (no queues of its own), its controller's I/O queues (queue_count
@@ -550,7 +558,7 @@ hw_queues() {
 
 scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
-	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram=''
+	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram='' ndev=''
 	if [ -n "$before" ]; then
 		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
 		nram=3
@@ -591,12 +599,28 @@ scen_bench() {
 		attach_ublk attach-ublk.log "$size" --connections "$BENCH_QUEUES"
 		udev=$DEV u_apid=$APID u_rblkd=$RBLKD
 	fi
+	# The NBD front end's floor: a /dev/nbdN like rblk's (as many
+	# connections, 4 KiB blocks) on nbdkit's null plugin, nothing behind it.
+	if nbd_null_available; then
+		ndev=$(free_nbd) || fail "no free /dev/nbdN"
+		step "nbd null: nbdkit null ${size}M on a unix socket, nbd-client -connections $BENCH_QUEUES on $ndev"
+		nbd_null_setup "$ndev" "$size" "$BENCH_QUEUES" 2>>"$LOGS/nbd-null.log" ||
+			fail "nbd null on $ndev: $(tail -n 3 "$LOGS/nbd-null.log")"
+		# (a floor for rblk's device only with as many queues as it has)
+		[ "$(hw_queues "$ndev")" = "$(hw_queues "$rblk_dev")" ] ||
+			fail "nbd null: $ndev has $(hw_queues "$ndev") hardware queues, rblk's $rblk_dev $(hw_queues "$rblk_dev")"
+	fi
 	{
 		echo "kernel $(uname -r), $(nproc) CPUs; each device a brd RAM disk of $size MiB; fio $FIO_RAMP s warm + $FIO_RUNTIME s measured, ${FIO_REPS:-2} reps interleaved"
 		echo "nvme-of rdma: $nvme, $(hw_queues "$nvme") hardware queues (nvme connect --nr-io-queues $BENCH_QUEUES)"
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
+		if [ -n "$ndev" ]; then
+			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data${BENCH_NULL_JOBS:+; only $BENCH_NULL_JOBS}"
+		else
+			echo "nbd null: no column (nbdkit or nbd-client missing on the host: apt-get install nbdkit nbd-client)"
+		fi
 	} | tee "$BIN/fio-info.txt"
 
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
@@ -611,6 +635,13 @@ scen_bench() {
 	local devs=("nvme-of rdma=$nvme" "rblk=$rblk_dev")
 	[ -z "$bdev" ] || devs+=("rblk-before=$bdev")
 	[ -z "$udev" ] || devs+=("rblk ublk=$udev")
+	if [ -n "$ndev" ]; then
+		local nj='' j
+		for j in $BENCH_NULL_JOBS; do
+			case " $FIO_JOBS " in *" $j "*) nj+=$j, ;; *) fail "BENCH_NULL_JOBS: '$j' is none of FIO_JOBS ($FIO_JOBS)" ;; esac
+		done
+		devs+=("nbd null=$ndev${nj:+=$nj}")
+	fi
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
@@ -618,13 +649,15 @@ scen_bench() {
 		{
 			grep '^fabric floor' "$BIN/fio-floors.txt"
 			cat "$BIN/fio-info.txt"
-			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"}
+			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"} ${ndev:+"nbd null"}
+			[ -z "$ndev" ] || fio_share "$csv" "nbd null" rblk
 		} | tee "$BIN/fio-table.txt"
 	fi
 	[ "$rc" = 0 ] || fail "a fio job failed"
 
 	step "teardown"
 	nvmet_teardown
+	nbd_null_teardown 2>>"$LOGS/nbd-null.log" || fail "nbd null teardown: $(tail -n 3 "$LOGS/nbd-null.log")"
 	curl -fsS "$TM/metrics" | grep -E '^rblkd_(grants|revokes|cache_loads|cache_evictions|written_bytes|writeback_bytes)_total' || true
 	if [ -n "$bdev" ]; then
 		DEV=$bdev APID=$b_apid detach

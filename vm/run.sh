@@ -222,7 +222,7 @@ CONSOLE=$SHARE/console.log
 mkdir -p "$SHARE/harness"
 SHARE=$(cd "$SHARE" && pwd)
 [ -n "$ARTIFACT_DIR" ] && cp -a "$ARTIFACT_DIR/." "$SHARE/"
-cp "$VM_DIR/guest-init.sh" "$VM_DIR/lib.sh" "$VM_DIR/nvmeof.sh" "$VM_DIR/fio-table.sh" "$SHARE/harness/"
+cp "$VM_DIR/guest-init.sh" "$VM_DIR/lib.sh" "$VM_DIR/nvmeof.sh" "$VM_DIR/fio-table.sh" "$VM_DIR/nbdnull.sh" "$SHARE/harness/"
 SCRIPT_NAME=$(basename "$GUEST_SCRIPT")
 cp "$GUEST_SCRIPT" "$SHARE/$SCRIPT_NAME"
 chmod +x "$SHARE/$SCRIPT_NAME" "$SHARE/harness/"*.sh
