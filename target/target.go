@@ -102,9 +102,9 @@ type Options struct {
 
 // Target serves volumes to initiators.
 type Target struct {
-	opts    Options
-	log     *zap.Logger
-	m       *Metrics
+	opts  Options
+	log   *zap.Logger
+	m     *Metrics
 	cache *cache
 
 	// volMu guards vols, volumes, nextVol and the live-changing parts of
