@@ -45,14 +45,6 @@ func (c *client) grantOK(off uint64) error {
 	return c.Request(context.Background(), &protocol.GrantRequest{Handle: c.info.Handle, Offset: off}, &g)
 }
 
-func exportNames(st []target.ExportStatus) []string {
-	var out []string
-	for _, s := range st {
-		out = append(out, s.Config.Name)
-	}
-	return out
-}
-
 // TestRemoveExport: removing an export tells its session with a shutdown
 // notice, ends it, writes what it left dirty (reported with Done, never
 // flushed) to the backing file, and refuses new opens of it; the session of
