@@ -50,8 +50,9 @@ func (c *client) grantOK(off uint64) error {
 // flushed) to the backing file, and refuses new opens of it; the session of
 // the other export goes on untouched.
 func TestRemoveExport(t *testing.T) {
+	// No background write-back: only the removal writes what is dirty.
 	e, _ := startWith(t, make([]byte, 1<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10,
-		DrainTimeout: 200 * time.Millisecond}, target.ExportConfig{})
+		DrainTimeout: 200 * time.Millisecond, WritebackDelay: time.Hour}, target.ExportConfig{})
 	ctx := context.Background()
 	otherPath := filepath.Join(t.TempDir(), "other.img")
 	if err := e.tg.AddExport(ctx, target.ExportConfig{Name: "other", Path: otherPath, Size: 1 << 20}); err != nil {
