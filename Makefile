@@ -70,6 +70,7 @@ install: build
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(CONFDIR)
 	install -m 0755 bin/rblkd bin/rblk-attach $(DESTDIR)$(BINDIR)/
 	install -m 0644 systemd/rblkd.service systemd/rblk-attach@.service $(DESTDIR)$(UNITDIR)/
+	install -m 0644 systemd/rblkd.yaml.example $(DESTDIR)$(CONFDIR)/rblkd.yaml.example
 	@# Example settings: never overwrite a file the administrator edited.
 	@for f in rblkd.env attach-vol0.env; do \
 		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \
