@@ -306,8 +306,9 @@ func (t *Target) endSessions(ctx context.Context, v *volume, keep func(host stri
 //   - Allow: hosts no longer allowed have their sessions of it drained;
 //   - Shared: applies to the next opens (writers of an exclusive export
 //     that became so stay until they reconnect);
-//   - Size: larger than the volume grows it (Grow); smaller is refused
-//     with ErrShrink; zero or the same leaves it.
+//   - Size, if it changed: larger than the volume grows it (Grow);
+//     smaller is refused with ErrShrink; zero or the volume's size
+//     leaves it.
 //
 // Path and ReadOnly cannot change live: ErrNotLive names the field
 // (remove the export and add it again).
@@ -316,6 +317,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		return fmt.Errorf("update export %q: %w", e.Name, err)
 	}
 	t.adminMu.Lock()
+	defer t.adminMu.Unlock()
 	t.volMu.RLock()
 	v := t.volumes[e.Name]
 	var old ExportConfig
@@ -324,23 +326,20 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	}
 	t.volMu.RUnlock()
 	if v == nil {
-		t.adminMu.Unlock()
 		return fmt.Errorf("update export %q: %w", e.Name, ErrNoExport)
 	}
 	switch {
 	case e.Path != old.Path:
-		t.adminMu.Unlock()
 		return fmt.Errorf("update export %q: path %s -> %s: %w (remove the export and add it again)", e.Name, old.Path, e.Path, ErrNotLive)
 	case e.ReadOnly != old.ReadOnly:
-		t.adminMu.Unlock()
 		return fmt.Errorf("update export %q: read_only %v -> %v: %w (remove the export and add it again)", e.Name, old.ReadOnly, e.ReadOnly, ErrNotLive)
-	case e.Size > 0 && uint64(e.Size) < v.sizeNow():
-		t.adminMu.Unlock()
+	case e.Size != old.Size && e.Size > 0 && uint64(e.Size) < v.sizeNow():
 		return fmt.Errorf("update export %q: size %d, smaller than the volume's %d bytes: %w", e.Name, e.Size, v.sizeNow(), ErrShrink)
 	}
-	grow := e.Size > 0 && uint64(e.Size) > v.sizeNow()
+	// (A size that did not change is left alone: the volume may have
+	// grown past it since, by Grow.)
+	grow := e.Size != old.Size && e.Size > 0 && uint64(e.Size) > v.sizeNow()
 	if grow && v.readOnly {
-		t.adminMu.Unlock()
 		return fmt.Errorf("update export %q: size %d: a read-only export cannot grow", e.Name, e.Size)
 	}
 	allowChanged := !slices.Equal(old.Allow, e.Allow)
@@ -351,7 +350,6 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		v.cfg.Size = e.Size
 	}
 	t.volMu.Unlock()
-	t.adminMu.Unlock()
 	if allowChanged {
 		allowed := ExportConfig{Allow: e.Allow}
 		n := t.endSessions(ctx, v, allowed.allows, fmt.Sprintf("host no longer allowed on export %q", e.Name))

@@ -355,6 +355,9 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 // syncs and closes the backing files. Safe to call twice.
 func (t *Target) Close() error {
 	t.closeOnce.Do(func() {
+		// An export being added or removed is finished first.
+		t.adminMu.Lock()
+		defer t.adminMu.Unlock()
 		t.mu.Lock()
 		t.closed = true
 		sessions := make([]*session, 0, len(t.sessions))
