@@ -222,6 +222,9 @@ func (s *Server) serve(c *net.UnixConn) {
 	dec := json.NewDecoder(io.LimitReader(c, maxRequest))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&req); err != nil {
+		if errors.Is(err, io.EOF) {
+			return // connected and left (as a check for a live server does)
+		}
 		s.log.Warn("admin socket: malformed request", zap.Uint32("uid", uid), zap.Error(err))
 		writeResponse(c, Response{Error: "malformed request: " + err.Error()})
 		return
