@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -78,7 +79,13 @@ so a change made without --save lasts until then.`,
 		Short: "Serve a new export at once",
 		Args:  cobra.ExactArgs(2),
 		RunE: func(c *cobra.Command, args []string) error {
-			x := &admin.Export{Name: args[0], Path: args[1], ReadOnly: readOnly, Shared: shared, Allow: allow}
+			// rblkd resolves a relative path from its own directory: send
+			// this one's.
+			path, err := filepath.Abs(args[1])
+			if err != nil {
+				return fmt.Errorf("path %q: %w", args[1], err)
+			}
+			x := &admin.Export{Name: args[0], Path: path, ReadOnly: readOnly, Shared: shared, Allow: allow}
 			if size != "" {
 				n, err := target.ParseSize(size)
 				if err != nil || n <= 0 {
