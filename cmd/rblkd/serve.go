@@ -131,7 +131,7 @@ encrypted: use a storage network you trust.`,
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
 	fl.StringVar(&f.config, "config", "", "configuration file (YAML, see README): its settings and exports; flags given here override it; SIGHUP reloads it")
-	fl.StringVar(&f.adminSocket, "admin-socket", admin.DefaultSocket, "the admin socket of `rblkd export` (root only; \"\": none)")
+	fl.StringVar(&f.adminSocket, "admin-socket", admin.DefaultSocket, "PATH of the admin socket that rblkd export uses (root only; \"\": none)")
 	return cmd
 }
 
