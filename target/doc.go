@@ -46,7 +46,12 @@
 //     never waits on one slow holder for long;
 //   - when a session ends without a clean close (a lost link, a fence, an
 //     unanswered revoke), write back whole chunks it held writable, since
-//     its last Dones may be lost while its RDMA WRITEs are in the cache.
+//     its last Dones may be lost while its RDMA WRITEs are in the cache;
+//   - change exports while serving (exports.go): AddExport, RemoveExport
+//     (drains the export's sessions as Close drains them all, writes its
+//     chunks back, syncs and closes its file), UpdateExport (allow, shared,
+//     a larger size), Exports; the sessions of other exports are never
+//     touched.
 //
 // # Usage
 //
