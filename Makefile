@@ -91,6 +91,7 @@ install: build docs
 	sed 's|/usr/local/bin/|$(BINDIR)/|g' systemd/99-rblk.rules > $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 	chmod 0644 $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 	@if [ -z "$(DESTDIR)" ] && command -v udevadm >/dev/null 2>&1 && [ -d /run/udev ]; then udevadm control --reload; fi
+	install -m 0644 systemd/rblkd.yaml.example $(DESTDIR)$(CONFDIR)/rblkd.yaml.example
 	@# Example settings: never overwrite a file the administrator edited.
 	@for f in rblkd.env attach-vol0.env; do \
 		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -75,8 +76,20 @@ func TestSystemdNotify(t *testing.T) {
 	ns := newNotifySocket(t)
 	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	cfg := filepath.Join(dir, "rblkd.yaml")
+	writeConfig := func(exports ...string) {
+		t.Helper()
+		y := "exports:\n"
+		for _, e := range exports {
+			y += fmt.Sprintf("  - name: %s\n    path: %s\n    size: 4M\n", e, filepath.Join(dir, e+".img"))
+		}
+		if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeConfig("vol0")
 	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, "serve", "--transport", "tcp", "--listen", addr,
-		"--metrics-listen", metrics, "--export", "vol0="+filepath.Join(dir, "vol0.img")+",size=4M")
+		"--metrics-listen", metrics, "--config", cfg, "--admin-socket", "")
 	msg := notifyLines(ns.wait(t, p, 30*time.Second))
 	if msg["READY"] != "1" {
 		t.Fatalf("rblkd's first notification %v, want READY=1", msg)
@@ -94,6 +107,20 @@ func TestSystemdNotify(t *testing.T) {
 		t.Errorf("rblkd's STATUS=%q, want it to say what it serves", msg["STATUS"])
 	}
 	tg := &target{proc: p, addr: addr, metrics: metrics}
+
+	// A reload (systemd's ExecReload sends SIGHUP): RELOADING=1, then
+	// READY=1 once it is done, with a STATUS= that says what it did.
+	writeConfig("vol0", "vol1")
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	if got := notifyLines(ns.wait(t, p, 30*time.Second)); got["RELOADING"] != "1" || got["MONOTONIC_USEC"] == "" {
+		t.Fatalf("rblkd's notification after SIGHUP %v, want RELOADING=1 with MONOTONIC_USEC", got)
+	}
+	if got := notifyLines(ns.wait(t, p, 30*time.Second)); got["READY"] != "1" || !strings.Contains(got["STATUS"], "reloaded") ||
+		!strings.Contains(got["STATUS"], "vol1") {
+		t.Fatalf("rblkd's notification after the reload %v, want READY=1 and a STATUS= naming the added vol1", got)
+	}
 
 	// rblk-attach: READY=1 once its NBD socket serves.
 	ans := newNotifySocket(t)

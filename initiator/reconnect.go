@@ -112,8 +112,9 @@ func (v *Volume) reconnect() (*queueSet, error) {
 			return set, nil
 		}
 		cancel()
-		if errors.Is(err, auth.ErrFailed) || errors.Is(err, protocol.ErrAccess) {
-			// Trying again would not change the answer.
+		if errors.Is(err, auth.ErrFailed) || errors.Is(err, protocol.ErrAccess) || errors.Is(err, protocol.ErrNoExport) {
+			// Trying again would not change the answer (an export
+			// gone: rblkd export remove, or a reload without it).
 			return nil, fmt.Errorf("reconnect to %s: %w", v.opts.Target, err)
 		}
 		if errors.As(err, new(errHeld)) && v.opts.HostID != "" {

@@ -46,11 +46,16 @@
 //     never waits on one slow holder for long;
 //   - when a session ends without a clean close (a lost link, a fence, an
 //     unanswered revoke), write back whole chunks it held writable, since
-//     its last Dones may be lost while its RDMA WRITEs are in the cache.
+//     its last Dones may be lost while its RDMA WRITEs are in the cache;
 //   - grow a volume online (Grow): extend the backing file (a block device
 //     must be large enough already), make the new size the one every check
 //     uses, revoke a short last chunk so that it is granted again whole,
-//     then tell every connection with the volume open (a Resize notice).
+//     then tell every connection with the volume open (a Resize notice);
+//   - change exports while serving (exports.go): AddExport, RemoveExport
+//     (drains the export's sessions as Close drains them all, writes its
+//     chunks back, syncs and closes its file), UpdateExport (allow, shared,
+//     a larger size), Exports; the sessions of other exports are never
+//     touched.
 //
 // # Usage
 //

@@ -1,6 +1,7 @@
 package target
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -174,6 +175,13 @@ type volume struct {
 	// not yet written.
 	passMu  sync.Mutex
 	flushMu sync.Mutex
+
+	// removed: RemoveExport took the export away; no new handle of it.
+	removed atomic.Bool
+	// stopLoop ends the volume's write-back loop; loopDone is closed
+	// when it ended.
+	stopLoop context.CancelFunc
+	loopDone chan struct{}
 }
 
 func openVolume(id uint32, e ExportConfig) (*volume, error) {

@@ -50,7 +50,16 @@ const resizeNoticeTimeout = 5 * time.Second
 // multiple of 4096 (ErrBadSize) and an unknown export
 // (protocol.ErrNoExport). Grows of one export run one at a time.
 func (t *Target) Grow(ctx context.Context, name string, size int64) error {
+	t.adminMu.Lock() // not while an export is added, removed or updated
+	defer t.adminMu.Unlock()
+	return t.grow(ctx, name, size)
+}
+
+// grow is Grow with t.adminMu held.
+func (t *Target) grow(ctx context.Context, name string, size int64) error {
+	t.volMu.RLock()
 	v := t.volumes[name]
+	t.volMu.RUnlock()
 	if v == nil {
 		return fmt.Errorf("grow export %q: %w", name, protocol.ErrNoExport)
 	}

@@ -142,7 +142,7 @@ func (m *Metrics) deleteExport(name string) {
 	l := prometheus.Labels{"export": name}
 	for _, v := range []*prometheus.MetricVec{m.grants.MetricVec, m.revokes.MetricVec, m.evictions.MetricVec,
 		m.loads.MetricVec, m.loadBytes.MetricVec, m.writebackOps.MetricVec, m.writebackBytes.MetricVec,
-		m.doneBytes.MetricVec, m.loadSeconds.MetricVec, m.flushSeconds.MetricVec} {
+		m.doneBytes.MetricVec, m.loadSeconds.MetricVec, m.flushSeconds.MetricVec, m.grows.MetricVec} {
 		v.DeletePartialMatch(l)
 	}
 }

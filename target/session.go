@@ -265,11 +265,11 @@ func (s *session) export(op, name, hostID string) (*volume, string, error) {
 	if hostID != "" && hostID != host {
 		return nil, "", fmt.Errorf("%s names host %q, but the session is host %q's: %w", op, hostID, host, protocol.ErrAccess)
 	}
-	v := s.t.volumes[name]
+	v, allowed := s.t.volumeFor(name, host)
 	if v == nil {
 		return nil, "", fmt.Errorf("export %q: %w", name, protocol.ErrNoExport)
 	}
-	if !v.cfg.allows(host) {
+	if !allowed {
 		s.t.m.refused.WithLabelValues("not_allowed").Inc()
 		s.log.Warn(op+" refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
 		return nil, "", fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
@@ -297,13 +297,20 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	if err := s.t.reinstate(s.ctx, s, ov, m.Flags&protocol.OpenTakeover != 0); err != nil {
 		return nil, err
 	}
-	return s.addHandle(ov, "volume opened"), nil
+	return s.addHandle(ov, "volume opened")
 }
 
 // addHandle gives ov a handle of the session and returns the VolumeInfo
-// that tells the initiator, logging event.
-func (s *session) addHandle(ov *openVol, event string) *protocol.VolumeInfo {
+// that tells the initiator, logging event. An export removed meanwhile
+// (RemoveExport) gives no handle: the removal either sees the handle or
+// the handle sees the removal, both under s.mu.
+func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, error) {
 	s.mu.Lock()
+	if ov.v.removed.Load() {
+		s.mu.Unlock()
+		s.t.forget(s, ov)
+		return nil, fmt.Errorf("export %q: removed: %w", ov.v.name, protocol.ErrNoExport)
+	}
 	s.next++
 	h := s.next
 	s.handles[h] = ov
@@ -320,7 +327,7 @@ func (s *session) addHandle(ov *openVol, event string) *protocol.VolumeInfo {
 		flags = protocol.VolReadOnly | protocol.VolCanFlush
 	}
 	return &protocol.VolumeInfo{Handle: h, Flags: flags, VolumeSize: v.size.Load(), BlockSize: volumeBlockSize,
-		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}
+		ChunkSize: uint32(s.t.cache.chunkSize), Generation: ov.gen, Instance: s.t.instance}, nil
 }
 
 // join adds the session to the current session of its host ID and the
@@ -335,7 +342,7 @@ func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
 	if err := s.t.join(s, ov); err != nil {
 		return nil, err
 	}
-	return s.addHandle(ov, "queue joined"), nil
+	return s.addHandle(ov, "queue joined")
 }
 
 func volFlags(v *volume) protocol.VolumeFlags {

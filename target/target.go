@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -101,12 +102,20 @@ type Options struct {
 
 // Target serves volumes to initiators.
 type Target struct {
-	opts    Options
-	log     *zap.Logger
-	m       *Metrics
-	cache   *cache
+	opts  Options
+	log   *zap.Logger
+	m     *Metrics
+	cache *cache
+
+	// volMu guards vols, volumes, nextVol and the live-changing parts of
+	// each volume's cfg (Allow, Shared): exports come and go at run time
+	// (see exports.go). It is never held while taking mu.
+	volMu   sync.RWMutex
 	vols    []*volume
 	volumes map[string]*volume
+	nextVol uint32
+	// adminMu serializes AddExport, RemoveExport and UpdateExport.
+	adminMu sync.Mutex
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -178,7 +187,8 @@ func New(opts Options) (*Target, error) {
 			t.closeVolumes()
 			return nil, fmt.Errorf("export %q given twice", e.Name)
 		}
-		v, err := openVolume(uint32(i+1), e)
+		t.nextVol = uint32(i + 1)
+		v, err := openVolume(t.nextVol, e)
 		if err != nil {
 			t.closeVolumes()
 			return nil, err
@@ -201,11 +211,7 @@ func New(opts Options) (*Target, error) {
 	}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	for _, v := range t.vols {
-		t.wg.Add(1)
-		go func() {
-			defer t.wg.Done()
-			c.writebackLoop(t.ctx, v, opts.WritebackDelay)
-		}()
+		t.startVolume(v)
 		t.log.Info("export", zap.String("name", v.name), zap.String("path", v.path),
 			zap.Uint64("size", v.size.Load()), zap.Bool("read_only", v.readOnly))
 	}
@@ -221,6 +227,8 @@ func (t *Target) closeVolumes() {
 // exportList lists the exports host may open.
 func (t *Target) exportList(host string) *protocol.ExportList {
 	l := &protocol.ExportList{}
+	t.volMu.RLock()
+	defer t.volMu.RUnlock()
 	for _, v := range t.vols {
 		if !v.cfg.allows(host) {
 			continue
@@ -351,6 +359,9 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 // syncs and closes the backing files. Safe to call twice.
 func (t *Target) Close() error {
 	t.closeOnce.Do(func() {
+		// An export being added or removed is finished first.
+		t.adminMu.Lock()
+		defer t.adminMu.Unlock()
 		t.mu.Lock()
 		t.closed = true
 		sessions := make([]*session, 0, len(t.sessions))
@@ -366,8 +377,11 @@ func (t *Target) Close() error {
 		}
 		t.mu.Unlock()
 		t.wg.Wait()
-		err := t.cache.close(t.vols)
-		for _, v := range t.vols {
+		t.volMu.RLock()
+		vols := slices.Clone(t.vols)
+		t.volMu.RUnlock()
+		err := t.cache.close(vols)
+		for _, v := range vols {
 			if cerr := v.file.Close(); cerr != nil && err == nil {
 				err = cerr
 			}
@@ -381,12 +395,18 @@ func (t *Target) Close() error {
 // as long as they make progress (see Options.DrainTimeout), at most
 // Options.DrainLimit.
 func (t *Target) drain(sessions []*session) {
+	t.drainWith(context.Background(), sessions, "target shutting down")
+}
+
+// drainWith is drain with a reason of its own in the notice (why), bounded
+// by ctx too.
+func (t *Target) drainWith(ctx context.Context, sessions []*session, why string) {
 	if len(sessions) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), t.opts.DrainLimit)
+	ctx, cancel := context.WithTimeout(ctx, t.opts.DrainLimit)
 	defer cancel()
-	notice := &protocol.ErrorMsg{Code: protocol.CodeShutdown, Text: "target shutting down"}
+	notice := &protocol.ErrorMsg{Code: protocol.CodeShutdown, Text: why}
 	for _, s := range sessions {
 		sctx, scancel := context.WithTimeout(ctx, t.opts.DrainTimeout)
 		if err := s.link.Send(sctx, 0, notice); err != nil {
@@ -441,7 +461,7 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		return nil
 	}
 	var others []identEntry
-	if !ov.v.cfg.Shared {
+	if !t.shared(ov.v) {
 		for id, e := range t.idents {
 			if id.export == ov.ident.export && id != ov.ident && e.s != s {
 				others = append(others, e)

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/admin"
 	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/target"
@@ -63,7 +64,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
+	root.AddCommand(newServeCmd(), newExportCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
@@ -78,12 +79,15 @@ type serveFlags struct {
 	handshakeTimeout                      time.Duration
 
 	keepAlive, revokeTimeout, drainTimeout, drainLimit time.Duration
+
+	config, adminSocket string
+	file                fileState // what --config gave (config.go)
 }
 
 func newServeCmd() *cobra.Command {
 	var f serveFlags
 	cmd := &cobra.Command{
-		Use:   "serve --export NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2] ...",
+		Use:   "serve [--config FILE] [--export NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2] ...]",
 		Short: "Serve volumes until SIGINT or SIGTERM",
 		Long: `Serve exports backing files (regular files or block devices) as volumes.
 
@@ -95,7 +99,12 @@ back) before it may list or open anything. Without it rblkd serves only on
 loopback addresses, unless --allow-unauthenticated. RDMA payloads are never
 encrypted: use a storage network you trust.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error { return serve(f) },
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := loadConfig(cmd, &f); err != nil {
+				return err
+			}
+			return serve(f)
+		},
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.listen, "listen", "", "address to accept initiators on, HOST:PORT (default "+DefaultListen+
@@ -121,20 +130,23 @@ encrypted: use a storage network you trust.`,
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
+	fl.StringVar(&f.config, "config", "", "configuration file (YAML, see README): its settings and exports; flags given here override it; SIGHUP reloads it")
+	fl.StringVar(&f.adminSocket, "admin-socket", admin.DefaultSocket, "PATH of the admin socket that rblkd export uses (root only; \"\": none)")
 	return cmd
 }
 
 func serve(f serveFlags) error {
-	if len(f.exports) == 0 {
-		return fmt.Errorf("no --export given: want at least one NAME=PATH[,ro][,size=BYTES]")
-	}
-	var exports []target.ExportConfig
+	var flagExports []target.ExportConfig
 	for _, s := range f.exports {
 		e, err := target.ParseExport(s)
 		if err != nil {
 			return err
 		}
-		exports = append(exports, e)
+		flagExports = append(flagExports, e)
+	}
+	exports := mergeExports(f.file.fileExports, flagExports)
+	if len(exports) == 0 {
+		return fmt.Errorf("no --export given (nor exports: in --config): want at least one NAME=PATH[,ro][,size=BYTES]")
 	}
 	cacheSize, err := target.ParseSize(f.cacheSize)
 	if err != nil {
@@ -200,9 +212,17 @@ func serve(f serveFlags) error {
 	}
 	log.Info("rblkd serving", zap.String("listen", l.Addr()), zap.String("transport", why),
 		zap.Int64("cache_size", cacheSize), zap.Int64("chunk_size", chunkSize))
-	// Listening and /metrics up: systemd may start what depends on rblkd.
-	defer cli.NotifyReady(ctx, log, fmt.Sprintf("serving %d exports on %s", len(exports), l.Addr()))()
+	d, err := startDaemon(ctx, t, f, flagExports, reg, log)
+	if err != nil {
+		l.Close()
+		t.Close()
+		return err
+	}
+	// Listening, /metrics and the admin socket up: systemd may start what
+	// depends on rblkd.
+	defer cli.NotifyReady(ctx, log, fmt.Sprintf("serving %d exports on %s", len(t.Exports()), l.Addr()))()
 	serveErr := t.Serve(ctx, l)
+	d.stop()
 	log.Info("stopping: writing back and syncing every volume")
 	closeErr := t.Close()
 	if serveErr != nil {

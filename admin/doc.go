@@ -1,0 +1,7 @@
+// Package admin is rblkd's local admin socket (/run/rblk/rblkd.sock by
+// default): one JSON Request and one JSON Response per connection, from
+// root (or the daemon's own user) only, checked with SO_PEERCRED. It lists,
+// adds, removes and grows exports at run time and reloads the
+// configuration file; `rblkd export` is its command-line client, and other
+// tools may use Do.
+package admin

@@ -1,0 +1,550 @@
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"gopkg.in/yaml.v3"
+
+	"github.com/rblk/rblk/target"
+)
+
+// ErrInvalid is wrapped by every error about the file's content (an
+// *Error, which names the file, line and field).
+var ErrInvalid = errors.New("invalid configuration")
+
+// Error is a mistake in the file: where it is and what is wrong.
+type Error struct {
+	File  string // the file's path as given
+	Line  int    // 1-based; 0 when the mistake has no line (an empty file)
+	Field string // the setting, such as "exports[1].size"; may be empty
+	Msg   string
+}
+
+func (e *Error) Error() string {
+	var b strings.Builder
+	b.WriteString(e.File)
+	if e.Line > 0 {
+		fmt.Fprintf(&b, ":%d", e.Line)
+	}
+	if e.Field != "" {
+		b.WriteString(": " + e.Field)
+	}
+	b.WriteString(": " + e.Msg)
+	return b.String()
+}
+
+// Unwrap makes errors.Is(err, ErrInvalid) true.
+func (e *Error) Unwrap() error { return ErrInvalid }
+
+// Kind is what values a setting takes.
+type Kind int
+
+// The kinds of settings.
+const (
+	String   Kind = iota
+	Size          // a byte count with an optional K, M, G or T suffix
+	Int           // a non-negative integer
+	Duration      // a Go duration: 10s, 4m, 1h30m
+	Bool          // true or false
+)
+
+// Keys are the settings of the file besides exports, each named like the
+// rblkd serve flag it stands for (flag = key with '-' for '_').
+var Keys = map[string]Kind{
+	"listen":                String,
+	"transport":             String,
+	"cache_size":            Size,
+	"chunk_size":            Size,
+	"metrics_listen":        String,
+	"auth_file":             String,
+	"allow_unauthenticated": Bool,
+	"target_id":             String,
+	"max_sessions":          Int,
+	"max_sessions_per_host": Int,
+	"handshake_timeout":     Duration,
+	"keepalive_timeout":     Duration,
+	"revoke_timeout":        Duration,
+	"drain_timeout":         Duration,
+	"drain_limit":           Duration,
+	"log_format":            String,
+	"debug":                 Bool,
+	"admin_socket":          String,
+}
+
+// choices are the values some string settings are limited to.
+var choices = map[string][]string{
+	"transport":  {"tcp", "rdma", "auto"},
+	"log_format": {"console", "json"},
+}
+
+// FlagName is the rblkd serve flag of a setting.
+func FlagName(key string) string { return strings.ReplaceAll(key, "_", "-") }
+
+// Setting is one key: value of the file, other than exports.
+type Setting struct {
+	Key   string
+	Value string // as written (a scalar), checked against the key's Kind
+	Line  int
+}
+
+// Export is one item of exports:.
+type Export struct {
+	target.ExportConfig
+	Line int // where the item starts
+}
+
+// Config is a parsed file.
+type Config struct {
+	// Path is the file's path as given.
+	Path string
+	// Settings are the settings other than exports, in file order.
+	Settings []Setting
+	// Exports are the exports, in file order.
+	Exports []Export
+
+	doc *yaml.Node // the document, for Save
+}
+
+// Setting returns the setting key and whether the file has it.
+func (c *Config) Setting(key string) (Setting, bool) {
+	for _, s := range c.Settings {
+		if s.Key == key {
+			return s, true
+		}
+	}
+	return Setting{}, false
+}
+
+// ExportConfigs returns the exports as the target takes them.
+func (c *Config) ExportConfigs() []target.ExportConfig {
+	out := make([]target.ExportConfig, len(c.Exports))
+	for i, e := range c.Exports {
+		out[i] = e.ExportConfig
+	}
+	return out
+}
+
+// Load reads and parses the file at path.
+func Load(path string) (*Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read config: %w", err)
+	}
+	return Parse(path, b)
+}
+
+// yamlLine finds the line in the errors of package yaml.
+var yamlLine = regexp.MustCompile(`^yaml: (?:unmarshal errors:\n\s*)?line (\d+): (.*)$`)
+
+// Parse parses data, the content of the file path. Unknown keys, keys given
+// twice, values of the wrong kind, exports without a name or a path and
+// exports named twice are refused with an *Error.
+func Parse(path string, data []byte) (*Config, error) {
+	c := &Config{Path: path}
+	var doc yaml.Node
+	if err := yaml.Unmarshal(data, &doc); err != nil {
+		if m := yamlLine.FindStringSubmatch(err.Error()); m != nil {
+			line, _ := strconv.Atoi(m[1])
+			return nil, &Error{File: path, Line: line, Msg: "YAML: " + m[2]}
+		}
+		return nil, &Error{File: path, Msg: strings.TrimPrefix(err.Error(), "yaml: ")}
+	}
+	if doc.Kind == 0 || len(doc.Content) == 0 {
+		return nil, &Error{File: path, Msg: "empty file: want a mapping of settings with exports:"}
+	}
+	c.doc = &doc
+	root := doc.Content[0]
+	if root.Kind != yaml.MappingNode {
+		return nil, &Error{File: path, Line: root.Line, Msg: "want a mapping of settings (key: value lines)"}
+	}
+	seen := map[string]int{}
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		k, v := root.Content[i], root.Content[i+1]
+		if prev, dup := seen[k.Value]; dup {
+			return nil, &Error{File: path, Line: k.Line, Field: k.Value, Msg: fmt.Sprintf("given twice (first on line %d)", prev)}
+		}
+		seen[k.Value] = k.Line
+		if k.Value == "exports" {
+			exports, err := parseExports(path, v)
+			if err != nil {
+				return nil, err
+			}
+			c.Exports = exports
+			continue
+		}
+		kind, ok := Keys[k.Value]
+		if !ok {
+			return nil, &Error{File: path, Line: k.Line, Field: k.Value, Msg: "unknown setting (want one of " + knownKeys() + ")"}
+		}
+		val, err := scalar(v, kind)
+		if err == nil && choices[k.Value] != nil && !slices.Contains(choices[k.Value], val) {
+			err = fmt.Errorf("%q: want one of %s", val, strings.Join(choices[k.Value], ", "))
+		}
+		if err != nil {
+			return nil, &Error{File: path, Line: v.Line, Field: k.Value, Msg: err.Error()}
+		}
+		c.Settings = append(c.Settings, Setting{Key: k.Value, Value: val, Line: v.Line})
+	}
+	return c, nil
+}
+
+func knownKeys() string {
+	keys := []string{"exports"}
+	for k := range Keys {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return strings.Join(keys, ", ")
+}
+
+// scalar checks that n is a scalar of kind and returns its value.
+func scalar(n *yaml.Node, kind Kind) (string, error) {
+	if n.Kind != yaml.ScalarNode {
+		return "", fmt.Errorf("want a single value, not a %s", nodeKind(n))
+	}
+	v := n.Value
+	switch kind {
+	case Size:
+		if _, err := target.ParseSize(v); err != nil {
+			return "", err
+		}
+	case Int:
+		if i, err := strconv.Atoi(v); err != nil || i < 0 {
+			return "", fmt.Errorf("%q: want a whole number", v)
+		}
+	case Duration:
+		if d, err := time.ParseDuration(v); err != nil || d < 0 {
+			return "", fmt.Errorf("%q: want a duration such as 10s, 4m or 1h30m", v)
+		}
+	case Bool:
+		if v != "true" && v != "false" {
+			return "", fmt.Errorf("%q: want true or false", v)
+		}
+	}
+	return v, nil
+}
+
+func nodeKind(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "mapping"
+	case yaml.SequenceNode:
+		return "list"
+	case yaml.AliasNode:
+		return "alias"
+	}
+	return "value"
+}
+
+func parseExports(path string, n *yaml.Node) ([]Export, error) {
+	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
+		return nil, nil // exports: with nothing under it
+	}
+	if n.Kind != yaml.SequenceNode {
+		return nil, &Error{File: path, Line: n.Line, Field: "exports", Msg: "want a list of exports (lines starting with \"- name: \")"}
+	}
+	var out []Export
+	names := map[string]int{}
+	for i, item := range n.Content {
+		field := fmt.Sprintf("exports[%d]", i)
+		e, err := parseExport(path, field, item)
+		if err != nil {
+			return nil, err
+		}
+		if prev, dup := names[e.Name]; dup {
+			return nil, &Error{File: path, Line: item.Line, Field: field + ".name", Msg: fmt.Sprintf("export %q given twice (first on line %d)", e.Name, prev)}
+		}
+		names[e.Name] = item.Line
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+func parseExport(path, field string, n *yaml.Node) (Export, error) {
+	e := Export{Line: n.Line}
+	bad := func(line int, key, msg string) (Export, error) {
+		f := field
+		if key != "" {
+			f += "." + key
+		}
+		return Export{}, &Error{File: path, Line: line, Field: f, Msg: msg}
+	}
+	if n.Kind != yaml.MappingNode {
+		return bad(n.Line, "", "want a mapping with name:, path: and the export's options")
+	}
+	seen := map[string]bool{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		if seen[k.Value] {
+			return bad(k.Line, k.Value, "given twice")
+		}
+		seen[k.Value] = true
+		var err error
+		var val string
+		switch k.Value {
+		case "name", "path":
+			if val, err = scalar(v, String); err == nil && val == "" {
+				err = errors.New("empty")
+			}
+			if k.Value == "name" {
+				e.Name = val
+				if err == nil && (len(val) > 255 || strings.ContainsAny(val, "\x00/")) {
+					err = fmt.Errorf("%q: want 1-255 bytes without '/'", val)
+				}
+			} else {
+				e.Path = val
+			}
+		case "size":
+			if val, err = scalar(v, Size); err == nil {
+				e.Size, _ = target.ParseSize(val)
+				if e.Size <= 0 {
+					err = fmt.Errorf("%q: want a size above 0", val)
+				}
+			}
+		case "read_only", "shared":
+			if val, err = scalar(v, Bool); err == nil {
+				if k.Value == "read_only" {
+					e.ReadOnly = val == "true"
+				} else {
+					e.Shared = val == "true"
+				}
+			}
+		case "allow":
+			e.Allow, err = hostList(v)
+		default:
+			return bad(k.Line, k.Value, "unknown export option (want name, path, size, read_only, shared or allow)")
+		}
+		if err != nil {
+			return bad(v.Line, k.Value, err.Error())
+		}
+	}
+	switch {
+	case e.Name == "":
+		return bad(n.Line, "name", "missing: every export needs a name")
+	case e.Path == "":
+		return bad(n.Line, "path", "missing: every export needs a path (a file or a block device)")
+	}
+	return e, nil
+}
+
+// hostList is allow: a list of host IDs.
+func hostList(n *yaml.Node) ([]string, error) {
+	if n.Kind != yaml.SequenceNode {
+		return nil, errors.New("want a list of host IDs, such as [host-a, host-b]")
+	}
+	var out []string
+	for _, h := range n.Content {
+		if h.Kind != yaml.ScalarNode || h.Value == "" || len(h.Value) > 255 || strings.ContainsRune(h.Value, 0) {
+			return nil, fmt.Errorf("line %d: want a host ID of 1-255 bytes", h.Line)
+		}
+		out = append(out, h.Value)
+	}
+	return out, nil
+}
+
+// FormatSize writes a byte count with the largest suffix that divides it.
+func FormatSize(n int64) string {
+	for _, u := range []struct {
+		s string
+		m int64
+	}{{"T", 1 << 40}, {"G", 1 << 30}, {"M", 1 << 20}, {"K", 1 << 10}} {
+		if n >= u.m && n%u.m == 0 {
+			return strconv.FormatInt(n/u.m, 10) + u.s
+		}
+	}
+	return strconv.FormatInt(n, 10)
+}
+
+// exportsNode returns the sequence of exports, creating an empty one
+// (exports: []) if the file has none.
+func (c *Config) exportsNode() *yaml.Node {
+	root := c.doc.Content[0]
+	for i := 0; i+1 < len(root.Content); i += 2 {
+		if root.Content[i].Value == "exports" {
+			v := root.Content[i+1]
+			if v.Kind != yaml.SequenceNode {
+				*v = yaml.Node{Kind: yaml.SequenceNode, Tag: "!!seq"}
+			}
+			return v
+		}
+	}
+	v := &yaml.Node{Kind: yaml.SequenceNode, Tag: "!!seq"}
+	root.Content = append(root.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: "exports"}, v)
+	return v
+}
+
+func str(v string) *yaml.Node { return &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: v} }
+
+// exportNode is e as a mapping, with only the options it sets.
+func exportNode(e target.ExportConfig) *yaml.Node {
+	m := &yaml.Node{Kind: yaml.MappingNode, Tag: "!!map"}
+	add := func(k string, v *yaml.Node) { m.Content = append(m.Content, str(k), v) }
+	add("name", str(e.Name))
+	add("path", str(e.Path))
+	if e.Size > 0 {
+		add("size", str(FormatSize(e.Size)))
+	}
+	if e.ReadOnly {
+		add("read_only", &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!bool", Value: "true"})
+	}
+	if e.Shared {
+		add("shared", &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!bool", Value: "true"})
+	}
+	if len(e.Allow) > 0 {
+		l := &yaml.Node{Kind: yaml.SequenceNode, Tag: "!!seq", Style: yaml.FlowStyle}
+		for _, h := range e.Allow {
+			l.Content = append(l.Content, str(h))
+		}
+		add("allow", l)
+	}
+	return m
+}
+
+// findExport returns the index of export name in the sequence, -1 if none.
+func findExport(seq *yaml.Node, name string) int {
+	for i, item := range seq.Content {
+		if item.Kind != yaml.MappingNode {
+			continue
+		}
+		for j := 0; j+1 < len(item.Content); j += 2 {
+			if item.Content[j].Value == "name" && item.Content[j+1].Value == name {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
+// AddExport adds e at the end of exports (Save writes it). An export of
+// that name already there is replaced in place, keeping its comments.
+func (c *Config) AddExport(e target.ExportConfig) {
+	seq := c.exportsNode()
+	n := exportNode(e)
+	if i := findExport(seq, e.Name); i >= 0 {
+		n.HeadComment, n.LineComment, n.FootComment = seq.Content[i].HeadComment, seq.Content[i].LineComment, seq.Content[i].FootComment
+		seq.Content[i] = n
+	} else {
+		seq.Style = 0 // block style, even if it was "exports: []"
+		seq.Content = append(seq.Content, n)
+	}
+	c.setExport(e)
+}
+
+func (c *Config) setExport(e target.ExportConfig) {
+	for i := range c.Exports {
+		if c.Exports[i].Name == e.Name {
+			c.Exports[i].ExportConfig = e
+			return
+		}
+	}
+	c.Exports = append(c.Exports, Export{ExportConfig: e})
+}
+
+// RemoveExport takes export name out of exports; it reports whether it was
+// there.
+func (c *Config) RemoveExport(name string) bool {
+	seq := c.exportsNode()
+	i := findExport(seq, name)
+	if i < 0 {
+		return false
+	}
+	seq.Content = slices.Delete(seq.Content, i, i+1)
+	c.Exports = slices.DeleteFunc(c.Exports, func(e Export) bool { return e.Name == name })
+	return true
+}
+
+// SetExportSize sets the size of export name (its other lines and comments
+// stay); it reports whether the export is in the file.
+func (c *Config) SetExportSize(name string, size int64) bool {
+	seq := c.exportsNode()
+	i := findExport(seq, name)
+	if i < 0 {
+		return false
+	}
+	item := seq.Content[i]
+	for j := 0; j+1 < len(item.Content); j += 2 {
+		if item.Content[j].Value == "size" {
+			item.Content[j+1].Value = FormatSize(size)
+			item.Content[j+1].Tag = "!!str"
+			item.Content[j+1].Style = 0
+			c.setSize(name, size)
+			return true
+		}
+	}
+	item.Content = append(item.Content, str("size"), str(FormatSize(size)))
+	c.setSize(name, size)
+	return true
+}
+
+func (c *Config) setSize(name string, size int64) {
+	for i := range c.Exports {
+		if c.Exports[i].Name == name {
+			c.Exports[i].Size = size
+		}
+	}
+}
+
+// Marshal is the file's content with the changes made (comments and the
+// order of keys kept).
+func (c *Config) Marshal() ([]byte, error) {
+	var b bytes.Buffer
+	enc := yaml.NewEncoder(&b)
+	enc.SetIndent(2)
+	if err := enc.Encode(c.doc); err != nil {
+		return nil, fmt.Errorf("encode %s: %w", c.Path, err)
+	}
+	if err := enc.Close(); err != nil {
+		return nil, fmt.Errorf("encode %s: %w", c.Path, err)
+	}
+	return b.Bytes(), nil
+}
+
+// Save writes the file back atomically: a temporary file beside it,
+// fsynced, renamed over it, and the directory fsynced. The file keeps its
+// mode.
+func (c *Config) Save() error {
+	b, err := c.Marshal()
+	if err != nil {
+		return err
+	}
+	mode := os.FileMode(0o644)
+	if st, err := os.Stat(c.Path); err == nil {
+		mode = st.Mode().Perm()
+	}
+	dir := filepath.Dir(c.Path)
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(c.Path)+".tmp*")
+	if err != nil {
+		return fmt.Errorf("save %s: %w", c.Path, err)
+	}
+	defer os.Remove(tmp.Name()) // after the rename: nothing there
+	_, err = tmp.Write(b)
+	if err == nil {
+		err = tmp.Chmod(mode)
+	}
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp.Name(), c.Path)
+	}
+	if err != nil {
+		return fmt.Errorf("save %s: %w", c.Path, err)
+	}
+	if d, err := os.Open(dir); err == nil {
+		d.Sync()
+		d.Close()
+	}
+	return nil
+}

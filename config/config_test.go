@@ -1,0 +1,164 @@
+package config_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/rblk/rblk/config"
+	"github.com/rblk/rblk/target"
+)
+
+// TestExampleFile: the documented example parses to what it says.
+func TestExampleFile(t *testing.T) {
+	c, err := config.Load("../systemd/rblkd.yaml.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"listen": "192.0.2.10:7480", "transport": "auto", "auth_file": "/etc/rblk/auth",
+		"allow_unauthenticated": "false", "target_id": "storage-1", "cache_size": "4G", "chunk_size": "1M",
+		"max_sessions": "1024", "max_sessions_per_host": "64", "handshake_timeout": "10s", "keepalive_timeout": "15s",
+		"revoke_timeout": "10s", "drain_timeout": "10s", "drain_limit": "4m", "metrics_listen": "127.0.0.1:9480",
+		"log_format": "json", "debug": "false", "admin_socket": "/run/rblk/rblkd.sock"}
+	got := map[string]string{}
+	for _, s := range c.Settings {
+		got[s.Key] = s.Value
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("settings\n got %v\nwant %v", got, want)
+	}
+	if len(got) != len(config.Keys) {
+		t.Errorf("the example sets %d settings, there are %d: document them all", len(got), len(config.Keys))
+	}
+	if s, _ := c.Setting("cache_size"); s.Line != 20 {
+		t.Errorf("cache_size on line %d, want 20", s.Line)
+	}
+	wantExports := []target.ExportConfig{
+		{Name: "vol0", Path: "/srv/rblk/vol0.img", Size: 100 << 30},
+		{Name: "golden", Path: "/srv/rblk/golden.img", ReadOnly: true},
+		{Name: "shared", Path: "/dev/disk/by-id/nvme-example", Shared: true, Allow: []string{"host-a", "host-b"}},
+	}
+	if !reflect.DeepEqual(c.ExportConfigs(), wantExports) {
+		t.Errorf("exports\n got %+v\nwant %+v", c.ExportConfigs(), wantExports)
+	}
+}
+
+// TestErrors: each kind of mistake names the file, its line and the field.
+func TestErrors(t *testing.T) {
+	for _, c := range []struct {
+		name, in, want string
+	}{
+		{"syntax", "listen: a\n  bad: [\n", "rblkd.yaml:2: YAML: "},
+		{"not a mapping", "- a\n- b\n", "rblkd.yaml:1: want a mapping"},
+		{"empty", "", "rblkd.yaml: empty file"},
+		{"unknown key", "listen: a\ncache: 1G\n", "rblkd.yaml:2: cache: unknown setting"},
+		{"twice", "listen: a\nlisten: b\n", "rblkd.yaml:2: listen: given twice (first on line 1)"},
+		{"bad size", "cache_size: lots\n", `rblkd.yaml:1: cache_size: size "lots"`},
+		{"bad int", "max_sessions: -3\n", `rblkd.yaml:1: max_sessions: "-3": want a whole number`},
+		{"bad duration", "\ndrain_timeout: 10\n", `rblkd.yaml:2: drain_timeout: "10": want a duration`},
+		{"bad bool", "debug: yes please\n", `rblkd.yaml:1: debug: "yes please": want true or false`},
+		{"bad choice", "transport: ib\n", `rblkd.yaml:1: transport: "ib": want one of tcp, rdma, auto`},
+		{"list for scalar", "listen:\n  - a\n", "rblkd.yaml:2: listen: want a single value, not a list"},
+		{"exports not a list", "exports: vol0\n", "rblkd.yaml:1: exports: want a list"},
+		{"export not a mapping", "exports:\n  - vol0\n", "rblkd.yaml:2: exports[0]: want a mapping"},
+		{"no name", "exports:\n  - path: /a\n", "rblkd.yaml:2: exports[0].name: missing"},
+		{"no path", "exports:\n  - name: a\n", "rblkd.yaml:2: exports[0].path: missing"},
+		{"bad export size", "exports:\n  - name: a\n    path: /a\n  - name: b\n    path: /b\n    size: 12Q\n",
+			`rblkd.yaml:6: exports[1].size: size "12Q"`},
+		{"zero size", "exports:\n  - name: a\n    path: /a\n    size: 0\n", `rblkd.yaml:4: exports[0].size: "0": want a size above 0`},
+		{"unknown export key", "exports:\n  - name: a\n    path: /a\n    ro: true\n", "rblkd.yaml:4: exports[0].ro: unknown export option"},
+		{"bad name", "exports:\n  - name: a/b\n    path: /a\n", `rblkd.yaml:2: exports[0].name: "a/b"`},
+		{"export twice", "exports:\n  - name: a\n    path: /a\n  - name: a\n    path: /b\n", `rblkd.yaml:4: exports[1].name: export "a" given twice (first on line 2)`},
+		{"allow not a list", "exports:\n  - name: a\n    path: /a\n    allow: host-a\n", "rblkd.yaml:4: exports[0].allow: want a list of host IDs"},
+		{"bad read_only", "exports:\n  - name: a\n    path: /a\n    read_only: maybe\n", `rblkd.yaml:4: exports[0].read_only: "maybe"`},
+	} {
+		_, err := config.Parse("rblkd.yaml", []byte(c.in))
+		if err == nil || !strings.HasPrefix(err.Error(), c.want) || !errors.Is(err, config.ErrInvalid) {
+			t.Errorf("%s: %v\nwant an ErrInvalid starting with %q", c.name, err, c.want)
+		}
+	}
+}
+
+// TestSave: changes keep the comments and the order, and the file read
+// back holds them.
+func TestSave(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "rblkd.yaml")
+	in := `# top comment
+listen: 127.0.0.1:7480 # where
+exports:
+  # the first
+  - name: a
+    path: /srv/a.img
+    size: 1G # grown later
+  - name: b
+    path: /srv/b.img
+`
+	if err := os.WriteFile(path, []byte(in), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	c, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.AddExport(target.ExportConfig{Name: "c", Path: "/srv/c.img", Size: 64 << 20, Shared: true, Allow: []string{"h1", "h2"}})
+	if !c.RemoveExport("b") || c.RemoveExport("nope") {
+		t.Fatal("RemoveExport")
+	}
+	if !c.SetExportSize("a", 2<<30) || c.SetExportSize("nope", 1) {
+		t.Fatal("SetExportSize")
+	}
+	if err := c.Save(); err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(path)
+	want := `# top comment
+listen: 127.0.0.1:7480 # where
+exports:
+  # the first
+  - name: a
+    path: /srv/a.img
+    size: 2G # grown later
+  - name: c
+    path: /srv/c.img
+    size: 64M
+    shared: true
+    allow: [h1, h2]
+`
+	if string(b) != want {
+		t.Errorf("saved\n%s\nwant\n%s", b, want)
+	}
+	if st, _ := os.Stat(path); st.Mode().Perm() != 0o640 {
+		t.Errorf("mode %v after save, want 0640", st.Mode().Perm())
+	}
+	again, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(again.ExportConfigs(), c.ExportConfigs()) {
+		t.Errorf("read back %+v, want %+v", again.ExportConfigs(), c.ExportConfigs())
+	}
+	// A file without exports gets them.
+	c, err = config.Parse(path, []byte("listen: x\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.AddExport(target.ExportConfig{Name: "v", Path: "/v", ReadOnly: true})
+	b, _ = c.Marshal()
+	if string(b) != "listen: x\nexports:\n  - name: v\n    path: /v\n    read_only: true\n" {
+		t.Errorf("added to a file without exports:\n%s", b)
+	}
+	if entries, _ := os.ReadDir(filepath.Dir(path)); len(entries) != 1 {
+		t.Errorf("save left files behind: %v", entries)
+	}
+}
+
+func TestFormatSize(t *testing.T) {
+	for n, want := range map[int64]string{4096: "4K", 1 << 30: "1G", 3 << 40: "3T", 1000: "1000", 1536 << 10: "1536K"} {
+		if got := config.FormatSize(n); got != want {
+			t.Errorf("FormatSize(%d) = %q, want %q", n, got, want)
+		}
+	}
+}

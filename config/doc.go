@@ -1,0 +1,9 @@
+// Package config reads and writes rblkd's configuration file
+// (/etc/rblk/rblkd.yaml): its settings, named like the flags of rblkd
+// serve in snake_case (listen, cache_size, ...), and its exports. Every
+// mistake is reported with the file, the line and the field
+// ("rblkd.yaml:12: exports[1].size: ..."), unknown keys included. Changes
+// made at run time (rblkd export add --save) edit the parsed document, so
+// that the file keeps its comments and order, and are written back
+// atomically.
+package config

@@ -1,0 +1,411 @@
+package target
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/protocol"
+)
+
+// Runtime export management: exports added, removed and changed while the
+// target serves, without touching the sessions of the other exports.
+
+// Sentinel errors of the runtime export API, matched with errors.Is.
+var (
+	// ErrExportExists: AddExport of a name already exported.
+	ErrExportExists = errors.New("export exists")
+	// ErrNoExport: RemoveExport or UpdateExport of a name not exported
+	// (the protocol's sentinel: an Open of it fails with the same).
+	ErrNoExport = protocol.ErrNoExport
+	// ErrNotLive: UpdateExport of a field that cannot change while the
+	// export is served (path, read_only): remove and add the export.
+	ErrNotLive = errors.New("cannot change while served")
+	// ErrClosed: the target is closed.
+	ErrClosed = errors.New("target closed")
+)
+
+// ExportStatus is one export as Exports reports it.
+type ExportStatus struct {
+	// Config is the export's configuration as it applies now (Size is
+	// the one it was added with).
+	Config ExportConfig
+	// Size is the volume's size in bytes now.
+	Size uint64
+	// BlockDevice: the backing store is a block device.
+	BlockDevice bool
+	// Sessions counts the sessions that have the export open.
+	Sessions int
+	// Writers counts those of them that have it open read-write.
+	Writers int
+}
+
+// startVolume starts v's write-back loop.
+func (t *Target) startVolume(v *volume) {
+	ctx, cancel := context.WithCancel(t.ctx)
+	v.stopLoop, v.loopDone = cancel, make(chan struct{})
+	t.wg.Add(1)
+	go func() {
+		defer t.wg.Done()
+		defer close(v.loopDone)
+		t.cache.writebackLoop(ctx, v, t.opts.WritebackDelay)
+	}()
+}
+
+// sizeNow is v's size in bytes now.
+func (v *volume) sizeNow() uint64 { return v.size.Load() }
+
+// volumeFor returns the export name (nil if there is none) and whether
+// host may open it.
+func (t *Target) volumeFor(name, host string) (*volume, bool) {
+	t.volMu.RLock()
+	defer t.volMu.RUnlock()
+	v := t.volumes[name]
+	if v == nil {
+		return nil, false
+	}
+	return v, v.cfg.allows(host)
+}
+
+// shared reports whether v lets several hosts write at once.
+func (t *Target) shared(v *volume) bool {
+	t.volMu.RLock()
+	defer t.volMu.RUnlock()
+	return v.cfg.Shared
+}
+
+// Exports returns the status of every export, by name.
+func (t *Target) Exports() []ExportStatus {
+	t.volMu.RLock()
+	out := make([]ExportStatus, 0, len(t.vols))
+	byVol := make(map[*volume]int, len(t.vols))
+	for _, v := range t.vols {
+		cfg := v.cfg
+		cfg.Allow = slices.Clone(cfg.Allow)
+		byVol[v] = len(out)
+		out = append(out, ExportStatus{Config: cfg, Size: v.sizeNow(), BlockDevice: v.blockDev})
+	}
+	t.volMu.RUnlock()
+	for _, s := range t.sessionList() {
+		s.mu.Lock()
+		seen := map[*volume]bool{}
+		writer := map[*volume]bool{}
+		for _, ov := range s.handles {
+			seen[ov.v] = true
+			writer[ov.v] = writer[ov.v] || ov.writable
+		}
+		s.mu.Unlock()
+		for v := range seen {
+			if i, ok := byVol[v]; ok {
+				out[i].Sessions++
+				if writer[v] {
+					out[i].Writers++
+				}
+			}
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Config.Name < out[j].Config.Name })
+	return out
+}
+
+// sessionList is a snapshot of the sessions.
+func (t *Target) sessionList() []*session {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]*session, 0, len(t.sessions))
+	for s := range t.sessions {
+		out = append(out, s)
+	}
+	return out
+}
+
+// sessionsOf returns the sessions that have v open, and of those, if keep
+// is not nil, only the ones whose host keep refuses.
+func (t *Target) sessionsOf(v *volume, keep func(host string) bool) []*session {
+	var out []*session
+	for _, s := range t.sessionList() {
+		s.mu.Lock()
+		has := false
+		for _, ov := range s.handles {
+			if ov.v == v && (keep == nil || !keep(ov.ident.host)) {
+				has = true
+			}
+		}
+		s.mu.Unlock()
+		if has {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// AddExport opens e (creating its sparse file if it gives a size) and
+// serves it at once.
+func (t *Target) AddExport(ctx context.Context, e ExportConfig) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("add export %q: %w", e.Name, err)
+	}
+	if err := checkExport(e); err != nil {
+		return fmt.Errorf("add export %q: %w", e.Name, err)
+	}
+	t.adminMu.Lock()
+	defer t.adminMu.Unlock()
+	t.mu.Lock()
+	closed := t.closed
+	t.mu.Unlock()
+	if closed {
+		return fmt.Errorf("add export %q: %w", e.Name, ErrClosed)
+	}
+	t.volMu.RLock()
+	exists := t.volumes[e.Name] != nil
+	id := t.nextVol + 1
+	t.volMu.RUnlock()
+	if exists {
+		return fmt.Errorf("add export %q: %w", e.Name, ErrExportExists)
+	}
+	e.Allow = slices.Clone(e.Allow)
+	v, err := openVolume(id, e)
+	if err != nil {
+		return fmt.Errorf("add export: %w", err) // err names the export and the path
+	}
+	if t.opts.WrapStore != nil {
+		v.f = t.opts.WrapStore(e.Name, v.file)
+	}
+	v.m = t.m.forExport(e.Name)
+	t.volMu.Lock()
+	t.nextVol = id
+	t.vols = append(t.vols, v)
+	t.volumes[e.Name] = v
+	t.volMu.Unlock()
+	t.startVolume(v)
+	t.log.Info("export added", zap.String("name", v.name), zap.String("path", v.path),
+		zap.Uint64("size", v.sizeNow()), zap.Bool("read_only", v.readOnly), zap.Bool("shared", e.Shared), zap.Strings("allow", e.Allow))
+	return nil
+}
+
+// checkExport checks what ParseExport checks of an ExportConfig built
+// otherwise (a config file, the admin socket).
+func checkExport(e ExportConfig) error {
+	switch {
+	case e.Name == "" || len(e.Name) > 255:
+		return errors.New("name must be 1-255 bytes")
+	case e.Path == "":
+		return errors.New("empty path")
+	case e.Size < 0:
+		return fmt.Errorf("negative size %d", e.Size)
+	}
+	for _, r := range e.Name {
+		if r == '/' || r == 0 {
+			return errors.New("name must not contain '/' or NUL")
+		}
+	}
+	for _, h := range e.Allow {
+		if h == "" || len(h) > 255 {
+			return fmt.Errorf("bad host ID %q in allow", h)
+		}
+	}
+	return nil
+}
+
+// RemoveExport takes export name away: new opens of it fail at once with
+// ErrNoExport; the sessions that have it open are drained as Close drains
+// them all (told the export is going with a shutdown notice, so that
+// their initiators finish their IO, flush and disconnect, bounded by
+// DrainTimeout without progress and DrainLimit in all, and ctx); then
+// every dirty chunk of it is written back, the file synced, its cache
+// freed and its file closed. Sessions of other exports are not touched
+// (a session that has other exports open too is closed with it:
+// initiators open one export per session). If the write-back fails the
+// export stays (its sessions gone) and the error says why.
+func (t *Target) RemoveExport(ctx context.Context, name string) error {
+	t.adminMu.Lock()
+	defer t.adminMu.Unlock()
+	t.mu.Lock()
+	closed := t.closed
+	t.mu.Unlock()
+	if closed {
+		return fmt.Errorf("remove export %q: %w", name, ErrClosed)
+	}
+	t.volMu.Lock()
+	v := t.volumes[name]
+	if v != nil {
+		delete(t.volumes, name)
+		v.removed.Store(true)
+	}
+	t.volMu.Unlock()
+	if v == nil {
+		return fmt.Errorf("remove export %q: %w", name, ErrNoExport)
+	}
+	start := time.Now()
+	n := t.endSessions(ctx, v, nil, fmt.Sprintf("export %q removed from the target", name))
+	err := t.cache.flush(v)
+	if err == nil {
+		err = t.cache.dropVolume(ctx, v)
+	}
+	if err == nil {
+		if serr := v.f.Sync(); serr != nil {
+			err = fmt.Errorf("fdatasync %q: %w", name, serr)
+		}
+	}
+	if err != nil {
+		// Nothing is lost: the chunks that failed stay cached and the
+		// export is served again.
+		t.volMu.Lock()
+		v.removed.Store(false)
+		t.volumes[name] = v
+		t.volMu.Unlock()
+		return fmt.Errorf("remove export %q: write back: %w (the export stays)", name, err)
+	}
+	v.stopLoop()
+	<-v.loopDone
+	t.volMu.Lock()
+	t.vols = slices.DeleteFunc(t.vols, func(o *volume) bool { return o == v })
+	t.volMu.Unlock()
+	if cerr := v.file.Close(); cerr != nil {
+		t.log.Warn("close the backing file of a removed export", zap.String("name", name), zap.Error(cerr))
+	}
+	t.m.deleteExport(name)
+	t.log.Info("export removed", zap.String("name", name), zap.String("path", v.path),
+		zap.Int("sessions_drained", n), zap.Duration("took", time.Since(start)))
+	return nil
+}
+
+// endSessions drains the sessions that have v open (of those, the ones
+// whose host keep refuses, if keep is not nil) with the notice why, then
+// closes those left and waits until they released everything. It goes
+// on until no such session is left: one that opened v meanwhile is ended
+// too. It returns how many sessions it ended.
+func (t *Target) endSessions(ctx context.Context, v *volume, keep func(host string) bool, why string) int {
+	n := 0
+	for {
+		sessions := t.sessionsOf(v, keep)
+		if len(sessions) == 0 {
+			return n
+		}
+		n += len(sessions)
+		for _, s := range sessions {
+			s.log.Info("draining this session", zap.String("export", v.name), zap.String("why", why))
+		}
+		t.drainWith(ctx, sessions, why)
+		for _, s := range sessions {
+			s.link.Close()
+		}
+		for _, s := range sessions {
+			<-s.ended // closing the link ends it: its requests finish
+		}
+	}
+}
+
+// UpdateExport applies e to the export of its name, for what can change
+// while it is served:
+//   - Allow: hosts no longer allowed have their sessions of it drained;
+//   - Shared: applies to the next opens (writers of an exclusive export
+//     that became so stay until they reconnect);
+//   - Size, if it changed: larger than the volume grows it (Grow);
+//     smaller is refused with ErrShrink; zero or the volume's size
+//     leaves it.
+//
+// Path and ReadOnly cannot change live: ErrNotLive names the field
+// (remove the export and add it again).
+func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
+	if err := checkExport(e); err != nil {
+		return fmt.Errorf("update export %q: %w", e.Name, err)
+	}
+	t.adminMu.Lock()
+	defer t.adminMu.Unlock()
+	t.volMu.RLock()
+	v := t.volumes[e.Name]
+	var old ExportConfig
+	if v != nil {
+		old = v.cfg
+	}
+	t.volMu.RUnlock()
+	if v == nil {
+		return fmt.Errorf("update export %q: %w", e.Name, ErrNoExport)
+	}
+	switch {
+	case e.Path != old.Path:
+		return fmt.Errorf("update export %q: path %s -> %s: %w (remove the export and add it again)", e.Name, old.Path, e.Path, ErrNotLive)
+	case e.ReadOnly != old.ReadOnly:
+		return fmt.Errorf("update export %q: read_only %v -> %v: %w (remove the export and add it again)", e.Name, old.ReadOnly, e.ReadOnly, ErrNotLive)
+	case e.Size != old.Size && e.Size > 0 && uint64(e.Size) < v.sizeNow():
+		return fmt.Errorf("update export %q: size %d, smaller than the volume's %d bytes: %w", e.Name, e.Size, v.sizeNow(), ErrShrink)
+	}
+	// (A size that did not change is left alone: the volume may have
+	// grown past it since, by Grow.)
+	grow := e.Size != old.Size && e.Size > 0 && uint64(e.Size) > v.sizeNow()
+	if grow && v.readOnly {
+		return fmt.Errorf("update export %q: size %d: a read-only export cannot grow", e.Name, e.Size)
+	}
+	allowChanged := !slices.Equal(old.Allow, e.Allow)
+	t.volMu.Lock()
+	v.cfg.Allow = slices.Clone(e.Allow)
+	v.cfg.Shared = e.Shared
+	if !grow {
+		v.cfg.Size = e.Size
+	}
+	t.volMu.Unlock()
+	if allowChanged {
+		allowed := ExportConfig{Allow: e.Allow}
+		n := t.endSessions(ctx, v, allowed.allows, fmt.Sprintf("host no longer allowed on export %q", e.Name))
+		t.log.Info("export's allow list changed", zap.String("name", e.Name), zap.Strings("allow", e.Allow), zap.Int("sessions_drained", n))
+	}
+	if old.Shared != e.Shared {
+		t.log.Info("export's sharing changed", zap.String("name", e.Name), zap.Bool("shared", e.Shared))
+	}
+	if grow {
+		if err := t.grow(ctx, e.Name, e.Size); err != nil {
+			return fmt.Errorf("update export %q: %w", e.Name, err)
+		}
+		t.volMu.Lock()
+		v.cfg.Size = e.Size
+		t.volMu.Unlock()
+	}
+	return nil
+}
+
+// dropVolume takes every chunk of v out of the cache once no session has
+// v open: each is written back (as an eviction does) and its slot freed.
+// A chunk being loaded or evicted is waited for. A write-back error ends
+// it: the chunk stays cached.
+func (c *cache) dropVolume(ctx context.Context, v *volume) error {
+	for {
+		c.mu.Lock()
+		var victim *chunk
+		busy := false
+		for key, ch := range c.chunks {
+			if key.vol != v {
+				continue
+			}
+			if ch.state == chunkReady && ch.pins == 0 {
+				ch.state = chunkEvicting
+				c.lru.Remove(ch.elem)
+				ch.elem = nil
+				victim = ch
+				break
+			}
+			busy = true
+		}
+		if victim == nil {
+			if !busy {
+				c.mu.Unlock()
+				return nil
+			}
+			err := c.wait(ctx, c.patience)
+			c.mu.Unlock()
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		c.mu.Unlock()
+		if err := c.evict(victim); err != nil {
+			return err
+		}
+	}
+}
