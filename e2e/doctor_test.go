@@ -204,6 +204,37 @@ func TestDoctorTCP(t *testing.T) {
 	}
 	tg.stop(t, stopTimeout)
 
+	// --config: doctor checks what the file configures (its listen address,
+	// transport and exports), flags over it; a bad file is refused with its
+	// line.
+	dir = t.TempDir()
+	cfg := filepath.Join(dir, "rblkd.yaml")
+	listen := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	y := fmt.Sprintf("transport: tcp\nlisten: %s\nexports:\n  - name: gone\n    path: %s\n  - name: fresh\n    path: %s\n    size: 4M\n",
+		listen, filepath.Join(dir, "no-such-dir", "gone.img"), filepath.Join(dir, "fresh.img"))
+	if err := os.WriteFile(cfg, []byte(y), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	checks, r = runDoctor(t, rblkdBin, "--config", cfg, "--cache-size", "16M")
+	if c := findCheck(t, checks, "listen "+listen); !c.OK {
+		t.Errorf("--config's listen %s: %+v", listen, c)
+	}
+	if got := neededFailures(checks); r.code != 1 || len(got) != 1 || !strings.HasPrefix(got[0], "export gone:") {
+		t.Errorf("--config with a missing backing file: exit %d, needed failures %q; want 1, only export gone", r.code, got)
+	}
+	if c := findCheck(t, checks, "export fresh"); !c.OK {
+		t.Errorf("--config's export fresh (size given, rblkd creates it): %+v", c)
+	}
+	for _, c := range checks {
+		if strings.HasPrefix(c.Name, "rdma") {
+			t.Errorf("--config says transport tcp, but doctor checked %q", c.Name)
+		}
+	}
+	if err := os.WriteFile(cfg, []byte("exports:\n  - name: a\n    pth: x\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	wantCLIError(t, rblkdBin, []string{cfg + ":3: exports[0].pth"}, "doctor", "--config", cfg)
+
 	// Bad flags are refused in one line.
 	wantCLIError(t, attachBin, []string{"--device", "nbd, ublk or none"}, "doctor", "--device", "floppy")
 	wantCLIError(t, rblkdBin, []string{"--transport", "tcp, rdma or auto"}, "doctor", "--transport", "carrier-pigeon")

@@ -6,15 +6,16 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rblk/rblk/cmd/internal/cli"
+	"github.com/rblk/rblk/config"
 	"github.com/rblk/rblk/internal/doctor"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport/rdma"
 )
 
 type doctorFlags struct {
-	transport, listen, authFile, targetID, cacheSize string
-	exports                                          []string
-	allowUnauthenticated, json                       bool
+	transport, listen, authFile, targetID, cacheSize, config string
+	exports                                                  []string
+	allowUnauthenticated, json                               bool
 }
 
 func newDoctorCmd() *cobra.Command {
@@ -31,7 +32,7 @@ backing file and the free space of its file system, the memory for
 to do. It exits 1 when a needed check failed (the RDMA ones are needed only
 with --transport rdma), else 0.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error { return runDoctor(cmd, f) },
+		RunE: func(cmd *cobra.Command, _ []string) error { return runDoctor(cmd, &f) },
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.transport, "transport", "auto", "transport to check for: tcp, rdma (the RDMA checks are needed), auto (they are reported)")
@@ -41,23 +42,44 @@ with --transport rdma), else 0.`,
 	fl.StringVar(&f.targetID, "target-id", "", "serve's --target-id (default: the host name)")
 	fl.StringArrayVar(&f.exports, "export", nil, "serve's --export NAME=PATH[,ro][,size=BYTES]... (repeatable)")
 	fl.StringVar(&f.cacheSize, "cache-size", "256M", "serve's --cache-size")
+	fl.StringVar(&f.config, "config", "", "serve's --config: check what that file configures (flags given here override it)")
 	fl.BoolVar(&f.json, "json", false, "print a JSON list of checks {name, ok, needed, detail, fix}")
 	return cmd
 }
 
-func runDoctor(cmd *cobra.Command, f doctorFlags) error {
+func runDoctor(cmd *cobra.Command, f *doctorFlags) error {
+	var fileExports []target.ExportConfig
+	if f.config != "" {
+		// The file's settings that doctor checks, under the flags given.
+		c, err := config.Load(f.config)
+		if err != nil {
+			return fmt.Errorf("--config: %w", err)
+		}
+		fl := cmd.Flags()
+		for _, s := range c.Settings {
+			name := config.FlagName(s.Key)
+			if fg := fl.Lookup(name); fg != nil && !fl.Changed(name) && name != "json" && name != "config" {
+				if err := fg.Value.Set(s.Value); err != nil {
+					return fmt.Errorf("--config: %w", &config.Error{File: c.Path, Line: s.Line, Field: s.Key, Msg: err.Error()})
+				}
+			}
+		}
+		fileExports = c.ExportConfigs()
+	}
 	transport, err := doctor.ParseTransport(f.transport)
 	if err != nil {
 		return err
 	}
 	o := doctor.TargetOptions{Transport: transport, AuthFile: f.authFile, TargetID: f.targetID}
+	var flagExports []target.ExportConfig
 	for _, s := range f.exports {
 		e, err := target.ParseExport(s)
 		if err != nil {
 			return err
 		}
-		o.Exports = append(o.Exports, e)
+		flagExports = append(flagExports, e)
 	}
+	o.Exports = mergeExports(fileExports, flagExports)
 	if o.CacheSize, err = target.ParseSize(f.cacheSize); err != nil {
 		return fmt.Errorf("--cache-size: %w", err)
 	}
