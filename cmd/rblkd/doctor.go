@@ -71,13 +71,9 @@ func runDoctor(cmd *cobra.Command, f *doctorFlags) error {
 		return err
 	}
 	o := doctor.TargetOptions{Transport: transport, AuthFile: f.authFile, TargetID: f.targetID}
-	var flagExports []target.ExportConfig
-	for _, s := range f.exports {
-		e, err := target.ParseExport(s)
-		if err != nil {
-			return err
-		}
-		flagExports = append(flagExports, e)
+	flagExports, err := parseExports(f.exports)
+	if err != nil {
+		return err
 	}
 	o.Exports = mergeExports(fileExports, flagExports)
 	if o.CacheSize, err = target.ParseSize(f.cacheSize); err != nil {

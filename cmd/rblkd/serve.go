@@ -135,14 +135,23 @@ encrypted: use a storage network you trust.`,
 	return cmd
 }
 
-func serve(f serveFlags) error {
-	var flagExports []target.ExportConfig
-	for _, s := range f.exports {
+// parseExports parses --export flags.
+func parseExports(flags []string) ([]target.ExportConfig, error) {
+	var out []target.ExportConfig
+	for _, s := range flags {
 		e, err := target.ParseExport(s)
 		if err != nil {
-			return err
+			return nil, err
 		}
-		flagExports = append(flagExports, e)
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+func serve(f serveFlags) error {
+	flagExports, err := parseExports(f.exports)
+	if err != nil {
+		return err
 	}
 	exports := mergeExports(f.file.fileExports, flagExports)
 	if len(exports) == 0 {

@@ -211,18 +211,24 @@ func (n netlinkDriver) disconnect(ctx context.Context, index int) error {
 	if err != nil {
 		return err
 	}
+	return n.executeAck(ctx, nbdCmdDisconnect, "NBD_CMD_DISCONNECT", data)
+}
+
+// executeAck sends the command cmd (called name in errors) with data and
+// waits for the kernel's ack: it sends no reply to a disconnect or a
+// reconfigure.
+func (n netlinkDriver) executeAck(ctx context.Context, cmd uint8, name string, data []byte) error {
 	c, fam, closeConn, err := n.dial(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeConn()
-	// The kernel sends no reply to a disconnect: ask for the ack.
 	_, err = c.Execute(genetlink.Message{
-		Header: genetlink.Header{Command: nbdCmdDisconnect, Version: genlVersion},
+		Header: genetlink.Header{Command: cmd, Version: genlVersion},
 		Data:   data,
 	}, fam.ID, netlink.Request|netlink.Acknowledge)
 	if err != nil {
-		return kernelErr("NBD_CMD_DISCONNECT", ctxErr(ctx, err))
+		return kernelErr(name, ctxErr(ctx, err))
 	}
 	return nil
 }
@@ -232,20 +238,7 @@ func (n netlinkDriver) reconfigure(ctx context.Context, cfg resizeConfig) error 
 	if err != nil {
 		return err
 	}
-	c, fam, closeConn, err := n.dial(ctx)
-	if err != nil {
-		return err
-	}
-	defer closeConn()
-	// The kernel sends no reply to a reconfigure: ask for the ack.
-	_, err = c.Execute(genetlink.Message{
-		Header: genetlink.Header{Command: nbdCmdReconfigure, Version: genlVersion},
-		Data:   data,
-	}, fam.ID, netlink.Request|netlink.Acknowledge)
-	if err != nil {
-		return kernelErr("NBD_CMD_RECONFIGURE", ctxErr(ctx, err))
-	}
-	return nil
+	return n.executeAck(ctx, nbdCmdReconfigure, "NBD_CMD_RECONFIGURE", data)
 }
 
 // Available reports ErrNoModule when the kernel has no NBD driver, or why
