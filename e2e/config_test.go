@@ -283,3 +283,58 @@ func TestExportAdmin(t *testing.T) {
 	}
 	tg.stop(t, stopTimeout)
 }
+
+// TestExportGrow grows an attached export online through the admin socket
+// (rblkd export grow --save): the backing file grows, the attach learns the
+// size (rblk-attach status), a new NBD handshake offers it and IO at the
+// new end reaches the file; the old data stays; the file keeps the size
+// for the next start.
+func TestExportGrow(t *testing.T) {
+	needTools(t, "qemu-io")
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "rblkd.yaml")
+	img := filepath.Join(dir, "g.img")
+	sock := filepath.Join(sockDir(t), "run", "rblkd.sock")
+	writeConfig(t, cfg, "admin_socket: "+sock+"\n", [3]string{"g", img, "4M"})
+	tg := startTarget(t, nil, "--config", cfg)
+	state := filepath.Join(dir, "attach")
+	at := startAttach(t, tg, "g", "--state-dir", state)
+	qemuIO(t, at.uri("g"), []qop{{kind: 'w', off: 0, n: 65536, pattern: 0x11}, {kind: 'w', off: 4<<20 - 65536, n: 65536, pattern: 0x12}, {kind: 'f'}})
+
+	mustRun(t, cmdTimeout, rblkdBin, "export", "grow", "g", "8M", "--save", "--socket", sock)
+	if st, err := os.Stat(img); err != nil || st.Size() != 8<<20 {
+		t.Fatalf("backing file after grow: %v, %v; want 8 MiB", st, err)
+	}
+	// The attach learns the size from the target's notice.
+	var es []statusEntry
+	if err := waitUntil(at.proc, 30*time.Second, func() bool {
+		es = attachStatus(t, state)
+		return len(es) == 1 && es[0].Size == 8<<20
+	}); err != nil {
+		t.Fatalf("rblk-attach status after the grow: %+v, want size 8 MiB: %v\n%s", es, err, at.out.String())
+	}
+	// A new handshake offers 8 MiB: IO at the new end works, old data stays.
+	qemuIO(t, at.uri("g"), []qop{{kind: 'w', off: 8<<20 - 65536, n: 65536, pattern: 0x13}, {kind: 'f'},
+		{kind: 'r', off: 0, n: 65536, pattern: 0x11}, {kind: 'r', off: 4<<20 - 65536, n: 65536, pattern: 0x12},
+		{kind: 'r', off: 4 << 20, n: 65536, pattern: 0}})
+	f, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, b := range f[8<<20-65536:] {
+		if b != 0x13 {
+			t.Fatalf("backing file byte %d of the new last 64 KiB: %#x, want 0x13 (flushed)", i, b)
+		}
+	}
+	if !strings.Contains(at.out.String(), "grew from 4.0MiB to 8.0MiB") {
+		t.Errorf("rblk-attach did not log the grow:\n%s", at.out.String())
+	}
+	if r := run(t, cmdTimeout, rblkdBin, "export", "grow", "g", "6M", "--socket", sock); r.code == 0 || !strings.Contains(r.stderr, "cannot shrink") {
+		t.Errorf("rblkd export grow to a smaller size: %s\nwant a refusal saying it cannot shrink", r)
+	}
+	if saved, _ := os.ReadFile(cfg); !strings.Contains(string(saved), "size: 8M") {
+		t.Errorf("--save did not write the new size:\n%s", saved)
+	}
+	at.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
+}

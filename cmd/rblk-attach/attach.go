@@ -192,7 +192,8 @@ func attach(f attachFlags) error {
 	defer f.state.remove()
 	vol, err := initiator.Open(octx, initiator.Options{OnLink: f.state.onLink, Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
-		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg), OnResize: grow.onResize})
+		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg),
+		OnResize: func(oldSize, newSize uint64) { grow.onResize(oldSize, newSize); f.state.resized(newSize) }})
 	ocancel()
 	if err != nil {
 		return fmt.Errorf("attach %q from %s: %w", f.export, f.target, err)

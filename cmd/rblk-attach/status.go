@@ -67,6 +67,11 @@ func (s *stateFile) opened(transport string, size uint64, readOnly bool) {
 	s.update(func(e *attachstate.Entry) { e.Transport, e.Size, e.ReadOnly = transport, size, readOnly })
 }
 
+// resized records the volume's size after it grew online.
+func (s *stateFile) resized(size uint64) {
+	s.update(func(e *attachstate.Entry) { e.Size = size })
+}
+
 // attached records the device (empty for an NBD socket) and state up, and
 // tells systemd the attach is ready.
 func (s *stateFile) attached(device string) {
