@@ -127,6 +127,7 @@ type volMetrics struct {
 
 // forExport resolves (and so creates, at 0) the series of export name.
 func (m *Metrics) forExport(name string) *volMetrics {
+	m.grows.WithLabelValues(name) // 0 from the start, like the others
 	return &volMetrics{grants: m.grants.WithLabelValues(name), revokes: m.revokes.WithLabelValues(name),
 		evictions: m.evictions.WithLabelValues(name), loads: m.loads.WithLabelValues(name),
 		loadBytes: m.loadBytes.WithLabelValues(name), writebackOps: m.writebackOps.WithLabelValues(name),

@@ -32,11 +32,11 @@ func TestDeleteExportMetrics(t *testing.T) {
 		}
 		return n
 	}
-	if nx, ny := count("x"), count("y"); nx != 10 || ny != 10 {
-		t.Fatalf("series of x, y: %d, %d; want 10 each", nx, ny)
+	if nx, ny := count("x"), count("y"); nx != 11 || ny != 11 {
+		t.Fatalf("series of x, y: %d, %d; want 11 each", nx, ny)
 	}
 	m.deleteExport("x")
-	if nx, ny := count("x"), count("y"); nx != 0 || ny != 10 {
-		t.Fatalf("after deleteExport(x), series of x, y: %d, %d; want 0, 10", nx, ny)
+	if nx, ny := count("x"), count("y"); nx != 0 || ny != 11 {
+		t.Fatalf("after deleteExport(x), series of x, y: %d, %d; want 0, 11", nx, ny)
 	}
 }
