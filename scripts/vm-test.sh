@@ -28,6 +28,8 @@
 #   RBLK_VM_BASELINE_BIN=DIR ...           # the table gets a column
 #                                          # "rblk-before": DIR/rblkd and
 #                                          # DIR/rblk-attach (an older build)
+#   RBLK_VM_BENCH_KERNELS=6.12 ...       # the bench scenario on 6.12 only
+#                                          # (the others skip it, and say so)
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, and the table's FIO_REPS, FIO_RUNTIME, FIO_RAMP,
 # BENCH_MB, BENCH_QUEUES, BENCH_NULL_JOBS (vm/rblk-e2e.sh).
@@ -68,10 +70,10 @@ if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	# (the guest sees the host's root: an absolute host path works there)
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
-: >"$art/env.sh"
+: >"$art/env.base"
 for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS; do
 	if [ -n "${!v:-}" ]; then
-		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.sh"
+		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.base"
 	fi
 done
 
@@ -90,6 +92,12 @@ run_kernel() {
 		fi
 		;;
 	esac
+	# The guest's env.sh: the settings above, and the bench left out on a
+	# kernel that RBLK_VM_BENCH_KERNELS (if set) does not name.
+	cp "$art/env.base" "$art/env.sh"
+	if [ -n "${RBLK_VM_BENCH_KERNELS:-}" ] && [[ " $RBLK_VM_BENCH_KERNELS " != *" $k "* ]]; then
+		echo 'export RBLK_VM_SKIP_SCENARIOS=bench' >>"$art/env.sh"
+	fi
 	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-1200} \
 		vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)

@@ -329,6 +329,14 @@ scenario() {
 	if [ -n "${RBLK_VM_SCENARIOS:-}" ] && [[ " $RBLK_VM_SCENARIOS " != *" $name "* ]]; then
 		return 0
 	fi
+	# RBLK_VM_SKIP_SCENARIOS names scenarios left out on this kernel
+	# (scripts/vm-test.sh's RBLK_VM_BENCH_KERNELS); said, not hidden.
+	if [[ " ${RBLK_VM_SKIP_SCENARIOS:-} " == *" $name "* ]]; then
+		echo
+		echo "######## SKIP $name (RBLK_VM_SKIP_SCENARIOS on this kernel)"
+		RESULTS+=("SKIP 0 $name")
+		return 0
+	fi
 	t0=$(cut -d' ' -f1 /proc/uptime)
 	k0=$(dmesg | wc -l)
 	echo
