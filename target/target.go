@@ -308,9 +308,11 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	t.mu.Lock()
 	t.sessions[s] = struct{}{} // before any request: Grow finds every handle
 	t.mu.Unlock()
-	close(s.ready)
+	// Counted before any request is served: a client that got a reply
+	// finds its session in rblkd_sessions.
 	t.m.sessions.Inc()
 	t.m.sessionsTotal.Inc()
+	close(s.ready)
 	s.log.Info("session started", zap.String("local", l.Conn().LocalAddr()))
 	// A connection that does not authenticate in time is closed.
 	handshake := time.AfterFunc(t.opts.HandshakeTimeout, func() {
