@@ -73,23 +73,8 @@ func waitDown(t *testing.T, l *link.Link, what string) {
 // labeled returns the value of the counter or gauge name{label=value}, 0 if absent.
 func labeled(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == label && lp.GetValue() == value {
-					return m.GetCounter().GetValue() + m.GetGauge().GetValue()
-				}
-			}
-		}
-	}
-	return 0
+	v, _ := seriesBy(t, reg, name, label, value)
+	return v
 }
 
 func TestAuthRightHostWorks(t *testing.T) {

@@ -210,13 +210,7 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 				hd, held := ch.holders[s]
 				return ch, hd, held, nil
 			case chunkLoading:
-				loaded := ch.loaded
-				c.mu.Unlock()
-				select {
-				case <-loaded:
-				case <-ctx.Done():
-				}
-				c.mu.Lock()
+				c.waitLoaded(ctx, ch)
 			case chunkEvicting:
 				if err := c.wait(ctx, 0); err != nil {
 					return nil, holder{}, false, err
@@ -561,4 +555,16 @@ func (c *cache) close(vols []*volume) error {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// waitLoaded waits, with c.mu released, until ch has loaded or ctx ends;
+// the caller looks at ch again (and at ctx) with c.mu held.
+func (c *cache) waitLoaded(ctx context.Context, ch *chunk) {
+	loaded := ch.loaded
+	c.mu.Unlock()
+	select {
+	case <-loaded:
+	case <-ctx.Done():
+	}
+	c.mu.Lock()
 }

@@ -24,6 +24,12 @@ import (
 // gauge's, or histogram's count), and whether there is such a series.
 func series(t *testing.T, reg *prometheus.Registry, name, export string) (float64, bool) {
 	t.Helper()
+	return seriesBy(t, reg, name, "export", export)
+}
+
+// seriesBy is series of name{label=value}.
+func seriesBy(t *testing.T, reg *prometheus.Registry, name, label, value string) (float64, bool) {
+	t.Helper()
 	mfs, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -33,7 +39,7 @@ func series(t *testing.T, reg *prometheus.Registry, name, export string) (float6
 			continue
 		}
 		for _, m := range mf.GetMetric() {
-			if labelOf(m, "export") == export {
+			if labelOf(m, label) == value {
 				return m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount()), true
 			}
 		}

@@ -192,13 +192,7 @@ func (c *cache) refit(ctx context.Context, v *volume, idx uint64) error {
 			}
 			c.refitStale(ch)
 		case chunkLoading:
-			loaded := ch.loaded
-			c.mu.Unlock()
-			select {
-			case <-loaded:
-			case <-ctx.Done():
-			}
-			c.mu.Lock()
+			c.waitLoaded(ctx, ch)
 			if err := ctx.Err(); err != nil {
 				return err
 			}
