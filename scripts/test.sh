@@ -7,7 +7,7 @@
 # Debian's is new enough), then runs every
 # check and keeps going after a failure, so one run shows them all:
 #
-#   build, gofmt, go vet, staticcheck, go vet and staticcheck of transport/
+#   build, go mod tidy -diff, gofmt, go vet, staticcheck, go vet and staticcheck of transport/
 #   with -tags rdma (the verbs provider, cgo), the alert rules (promtool),
 #   unit tests (-race), the end-to-end
 #   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
@@ -190,6 +190,9 @@ step "setup: packages, Go, staticcheck" setup || {
 	exit 1
 }
 step "go build ./..." go build ./...
+# go.mod lists every module imported directly as a direct requirement, and
+# nothing it does not need (go mod tidy would change nothing).
+step "go mod tidy -diff" go mod tidy -diff
 step "gofmt -l ." gofmt_check
 step "go vet ./..." go vet ./...
 step "staticcheck ./..." staticcheck ./...
