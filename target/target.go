@@ -493,7 +493,7 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		t.mu.Unlock()
 		return nil
 	}
-	var waited *probe        // the last probe this open waited for
+	var waited *probe       // the last probe this open waited for
 	var others []identEntry // other hosts' writers
 	for round := 0; ; round++ {
 		others = others[:0]
