@@ -110,7 +110,8 @@ func TestAttachInstances(t *testing.T) {
 // still holds the old session): it reconnects with its instance, rblkd
 // fences the old session and refuses nothing. Then rblkd is killed and
 // started again: it reconnects again. Its instance stays the same, and its
-// IO goes on.
+// IO goes on. (Were the instance made per connection, rblkd would check
+// the old session as another attach's and fence it only seconds later.)
 func TestAttachInstanceReinstates(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
@@ -137,6 +138,12 @@ func TestAttachInstanceReinstates(t *testing.T) {
 	}
 	if v := metric(t, tg.metrics, "rblkd_refused_total", `reason="attach_busy"`); v != 0 {
 		t.Errorf(`rblkd_refused_total{reason="attach_busy"} = %v`, v)
+	}
+	// Reinstated as the same attach: not checked as another one would be
+	// (whose check of the old session, which answers nothing here, would
+	// have fenced it too, seconds later).
+	if strings.Contains(tg.out.String(), "checking that this session lives") {
+		t.Errorf("rblkd checked the old session's liveness: it took the reconnect for another attach:\n%s", tg.out.String())
 	}
 
 	tg.kill9(t)
