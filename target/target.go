@@ -562,6 +562,9 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		t.m.takeovers.Inc()
 		why = fmt.Sprintf("fenced: another attach of host %q (instance %s) took export %q over on session %d (--takeover)",
 			ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
+	case old.s.link.Err() != nil:
+		why = fmt.Sprintf("fenced: its connection was down when another attach of host %q (instance %s) opened export %q on session %d",
+			ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
 	default:
 		why = fmt.Sprintf("fenced: it did not answer a liveness check in %v when another attach of host %q (instance %s) opened export %q on session %d",
 			t.opts.LivenessProbe, ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
