@@ -353,8 +353,8 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 			"--nbd-listen", "unix:" + sock, "--metrics-listen", metrics}
 		if !slices.Contains(extra, "--host-id") {
 			// Each attacher is a host of its own (and the machine's
-			// /etc/rblk/hostid is left alone): two attaches of one host
-			// and export would fence each other.
+			// /etc/rblk/hostid is left alone): a second attach of one
+			// host and export would be refused.
 			args = append(args, "--host-id", fmt.Sprintf("e2e-%s-%d", filepath.Base(sock[:len(sock)-len("/nbd.sock")]), attempt))
 		}
 		if !slices.Contains(extra, "--state-dir") {

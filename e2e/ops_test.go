@@ -158,6 +158,8 @@ type statusEntry struct {
 	Since      time.Time `json:"since"`
 	Queues     int       `json:"queues"`
 	Size       uint64    `json:"size"`
+	HostID     string    `json:"host_id"`
+	Instance   string    `json:"instance"`
 }
 
 func attachStatus(t *testing.T, dir string) []statusEntry {

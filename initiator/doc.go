@@ -23,11 +23,18 @@
 // for Options.ReconnectTimeout while IO waits, then redoes the IO that was
 // in flight, or fails it with EIO. With a HostID, the target fences the
 // earlier session before the new one does IO, so nothing of the old
-// connection lands after it. Back on the same target process (VolumeInfo's
-// Instance) nothing acknowledged is lost; on another (a crash and restart)
-// the next Flush fails once with ErrLostWrites if writes were acknowledged
-// since the last successful flush. A volume fenced by another attach of
-// the same host ID stops with ErrFenced.
+// connection lands after it: the volume's reconnects carry its instance
+// (Options.Instance), which tells the target it is the same attach coming
+// back. Back on the same target process (VolumeInfo's Instance) nothing
+// acknowledged is lost; on another (a crash and restart) the next Flush
+// fails once with ErrLostWrites if writes were acknowledged since the last
+// successful flush.
+//
+// Another attach of the same host ID and export (another Volume, another
+// instance) is refused by the target while this one lives: Open fails with
+// protocol.ErrBusy, whose text names this one. With Options.Takeover it
+// fences this one instead; a volume fenced so, or found dead by the
+// target's liveness check while it hung, stops with ErrFenced.
 //
 // # Usage
 //

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -14,25 +15,27 @@ import (
 	"github.com/rblk/rblk/transport/transporttest/faultnet"
 )
 
-// TestSameHostTwiceFencesTheFirst: a second read-write attach of the same
-// export by the same host ID fences the first, which stops with ErrFenced
-// instead of reconnecting and fencing back; the second goes on. Read-only
-// attaches of the same host are not fenced.
-func TestSameHostTwiceFencesTheFirst(t *testing.T) {
+// TestTakeoverFencesOtherAttachOfHost: a second read-write attach of the
+// same export by the same host ID with Takeover fences the first, which
+// stops with ErrFenced (saying who took the export over) instead of
+// reconnecting and fencing back; the second goes on. Read-only attaches
+// of the same host are not fenced. (Without Takeover the second is
+// refused: TestSecondAttachOfHostRefused.)
+func TestTakeoverFencesOtherAttachOfHost(t *testing.T) {
 	r := startTarget(t, 1<<20, 1<<20, 64<<10, false)
 	first := r.openWith(initiator.Options{HostID: "host-1", ReconnectTimeout: 10 * time.Second})
 	ro := r.openWith(initiator.Options{HostID: "host-1", ReadOnly: true})
 	if err := write(t, first, 0, []byte("first"), false); err != nil {
 		t.Fatal(err)
 	}
-	second := r.openWith(initiator.Options{HostID: "host-1", ReconnectTimeout: 10 * time.Second})
+	second := r.openWith(initiator.Options{HostID: "host-1", ReconnectTimeout: 10 * time.Second, Takeover: true})
 	select {
 	case <-first.Done():
 	case <-time.After(10 * time.Second):
-		t.Fatal("the first attach is still up after the same host opened the export again")
+		t.Fatal("the first attach is still up after another attach of its host took the export over")
 	}
-	if err := first.Err(); !errors.Is(err, initiator.ErrFenced) {
-		t.Fatalf("first attach ended with %v, want ErrFenced", err)
+	if err := first.Err(); !errors.Is(err, initiator.ErrFenced) || !strings.Contains(err.Error(), "instance "+initiator.FormatInstance(second.Instance())+") took export") {
+		t.Fatalf("first attach ended with %v, want ErrFenced naming the second's instance", err)
 	}
 	if err := write(t, first, 0, []byte("stale"), false); err == nil {
 		t.Fatal("the fenced attach still writes")

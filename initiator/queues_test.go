@@ -65,9 +65,9 @@ func TestQueuesFlushEveryQueue(t *testing.T) {
 
 // TestQueuesReconnectAndFence: a volume of 3 queues spreads its chunks
 // over them; when one connection breaks, all are made again and the data
-// is intact; when the same host opens the export again, every queue of
-// the first attach is fenced (it fails with ErrFenced, and the target is
-// left with the second's connections only).
+// is intact; when another attach of the same host takes the export over,
+// every queue of the first attach is fenced (it fails with ErrFenced, and
+// the target is left with the second's connections only).
 func TestQueuesReconnectAndFence(t *testing.T) {
 	const chunk, size = 64 << 10, 1 << 20
 	r := startTarget(t, size, size, chunk, false)
@@ -118,11 +118,11 @@ func TestQueuesReconnectAndFence(t *testing.T) {
 	}
 	waitFor(t, "the old queues' end on the target", func() bool { return metric(t, r.reg, "rblkd_sessions") == 3 })
 
-	second := r.openWith(initiator.Options{HostID: "host-q", Queues: 2})
+	second := r.openWith(initiator.Options{HostID: "host-q", Queues: 2, Takeover: true})
 	select {
 	case <-v.Done():
 	case <-time.After(10 * time.Second):
-		t.Fatal("the first attach is still up after the same host opened the export again")
+		t.Fatal("the first attach is still up after another attach of its host took the export over")
 	}
 	if err := v.Err(); !errors.Is(err, initiator.ErrFenced) {
 		t.Fatalf("first attach ended with %v, want ErrFenced", err)

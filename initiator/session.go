@@ -27,9 +27,12 @@ type session struct {
 	grants grantTable     // guarded by v.mu
 	wg     sync.WaitGroup // revoke and drain goroutines
 
-	set      atomic.Pointer[queueSet] // the queues of its session, itself among them
-	inflight int                      // operations using the session (v.mu)
-	draining bool                     // the target is shutting down: no new operations (v.mu)
+	set atomic.Pointer[queueSet] // the queues of its session, itself among them
+	// withInstance: its Open carried the volume's instance (the target
+	// offered protocol.FeatureOpenInstance).
+	withInstance bool
+	inflight     int  // operations using the session (v.mu)
+	draining     bool // the target is shutting down: no new operations (v.mu)
 }
 
 // dialTimeout bounds one connection attempt: a connect request lost on a
@@ -46,16 +49,23 @@ func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
 		if v.opts.ReadOnly {
 			mode = protocol.ModeReadOnly
 		}
+		// The instance goes to a target that knows it: an older one
+		// refuses the flag, and reinstates by host ID alone.
 		open := &protocol.Open{Mode: mode, Name: v.opts.Export, HostID: v.opts.HostID}
+		if l.Features()&protocol.FeatureOpenInstance != 0 {
+			open.Flags, open.Instance = protocol.OpenInstance, v.opts.Instance
+			s.withInstance = true
+		}
 		if takeover && mode == protocol.ModeReadWrite {
-			open.Flags = protocol.OpenTakeover
+			open.Flags |= protocol.OpenTakeover
 		}
 		err := l.Request(ctx, open, &s.info)
 		if errors.Is(err, protocol.ErrPerm) && mode == protocol.ModeReadWrite {
 			// A read-only export: attach it read-only, as a disk with its
 			// write-protect switch on.
 			v.log.Info("the export is read-only: opening it read-only", zap.String("export", v.opts.Export))
-			err = l.Request(ctx, &protocol.Open{Mode: protocol.ModeReadOnly, Name: v.opts.Export, HostID: v.opts.HostID}, &s.info)
+			open.Mode, open.Flags = protocol.ModeReadOnly, open.Flags&^protocol.OpenTakeover
+			err = l.Request(ctx, open, &s.info)
 		}
 		if err != nil {
 			err = fmt.Errorf("open volume %q on %s: %w", v.opts.Export, v.opts.Target, err)
@@ -149,9 +159,10 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 			return
 		}
 		if em.Code == protocol.CodeStale {
-			// Fenced: this host opened the export again on another
-			// session (another attach, or this one after the target saw
-			// it reconnect). Reconnecting would fence that one in turn.
+			// Fenced: another attach took the export over, or found this
+			// session dead (this one reconnecting never sees the notice:
+			// it has left that connection). Reconnecting would be
+			// refused, or fence that one in turn.
 			v := s.v
 			v.fail(fmt.Errorf("%w: %s", ErrFenced, strings.TrimPrefix(em.Text, "fenced: ")))
 			go s.link.Close()

@@ -2,6 +2,8 @@ package initiator
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"sort"
@@ -47,18 +49,25 @@ type Options struct {
 	// Export is the volume's name.
 	Export string
 	// HostID is this host's stable identity (see HostID in package
-	// protocol). When the volume reconnects, or the host attaches again
-	// after a crash, the target fences every earlier session of the same
-	// host ID and export before the new one does IO. Empty: anonymous, no
-	// fencing.
+	// protocol). When the volume reconnects, the target fences its earlier
+	// session (same host ID, export and Instance) before the new one does
+	// IO. Another attach of the same host (another Instance) is refused
+	// while this one is alive, unless it takes the export over. Empty:
+	// anonymous, no fencing.
 	HostID string
+	// Instance names this attach beside HostID: the same on every
+	// reconnect and queue of the volume, another for another attach (as
+	// iSCSI's ISID beside the initiator name). Zero: Open makes one
+	// (NewInstance). Sent to targets that know it (protocol.Open.Instance).
+	Instance uint64
 	// Secret, if set, is HostID's secret: the volume then authenticates
 	// with the target, both ways, on every connection (see package auth),
 	// and refuses a target that does not. Nil: the host only names itself.
 	Secret []byte
 	// Takeover, on a read-write open of an exclusive export that another
-	// host holds, has the target fence that host and hand the export over
-	// (only on the first connection, never on a reconnect).
+	// host holds, or that another live attach of this host holds, has the
+	// target fence that session and hand the export over (only on the
+	// first connection, never on a reconnect).
 	Takeover bool
 	// ReadOnly opens the volume for reading only.
 	ReadOnly bool
@@ -146,13 +155,16 @@ var _ blockdev.Backend = (*Volume)(nil)
 var ErrClosed = errors.New("volume closed")
 
 // ErrFenced is why a volume failed when the target fenced its session:
-// the same host ID opened the export again on another session, or another
-// host took the export over. Its IO fails from then on; it does not
-// reconnect, which would fence the other session in turn.
+// another attach took the export over (another host, or another attach
+// of this host with Takeover), or found this one dead (it did not answer
+// the target's liveness check), or the target refused its reconnect for
+// such a holder. Its IO fails from then on; it does not reconnect, which
+// would fence the other session in turn.
 var ErrFenced = errors.New("fenced")
 
-// errHeld marks an Open refused because another host holds the export
-// read-write: on a reconnect, that host took it over.
+// errHeld marks an Open refused because another host, or another attach
+// of this host, holds the export read-write: on a reconnect, it took the
+// export over.
 type errHeld struct{ error }
 
 func (e errHeld) Unwrap() error { return e.error }
@@ -188,6 +200,13 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	if opts.Metrics == nil {
 		opts.Metrics = NewMetrics(nil)
 	}
+	if opts.Instance == 0 {
+		id, err := NewInstance()
+		if err != nil {
+			return nil, fmt.Errorf("open volume %q: %w", opts.Export, err)
+		}
+		opts.Instance = id
+	}
 	v := &Volume{opts: opts, log: opts.Logger, m: opts.Metrics, changed: make(chan struct{}),
 		done: make(chan struct{}), stop: make(chan struct{}), superDone: make(chan struct{})}
 	v.cond = sync.NewCond(&v.mu)
@@ -212,12 +231,34 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 		transportInfo += ": " + di.DeviceInfo() // device, port, GID, addresses
 	}
 	v.log.Info("volume opened", zap.String("export", opts.Export), zap.String("target", opts.Target),
+		zap.String("host_id", opts.HostID), zap.String("instance", FormatInstance(opts.Instance)), zap.Bool("target_knows_instances", s.withInstance),
 		zap.String("transport", transportInfo), zap.Uint64("size", v.info.VolumeSize),
 		zap.Uint32("chunk_size", v.info.ChunkSize), zap.Bool("read_only", v.ReadOnly()),
 		zap.String("io_buffers_huge_pages", v.mem.HugePages()), zap.Int("queues", len(set.qs)))
 	go v.supervise(set)
 	return v, nil
 }
+
+// NewInstance returns a new attach instance (Options.Instance): random,
+// never 0.
+func NewInstance() (uint64, error) {
+	var b [8]byte
+	for {
+		if _, err := rand.Read(b[:]); err != nil {
+			return 0, fmt.Errorf("attach instance: %w", err)
+		}
+		if id := binary.BigEndian.Uint64(b[:]); id != 0 {
+			return id, nil
+		}
+	}
+}
+
+// FormatInstance writes an attach instance as logs, status and the
+// target's messages show it: 16 hex digits.
+func FormatInstance(id uint64) string { return fmt.Sprintf("%016x", id) }
+
+// Instance is the volume's attach instance (Options.Instance).
+func (v *Volume) Instance() uint64 { return v.opts.Instance }
 
 // Size is the volume's size in bytes: it grows when the target grows the
 // volume online (see Options.OnResize).

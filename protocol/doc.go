@@ -28,8 +28,9 @@
 //	                              <-------------------------  AuthAccept{Pt}
 //	 ListExports                  ------------------------->
 //	                              <-------------------------  ExportList
-//	 Open{read-write, "vol0",     ------------------------->  fences earlier sessions
-//	      host "host-a"}                                      of "host-a" on "vol0"
+//	 Open{read-write, "vol0",     ------------------------->  fences the earlier session
+//	      host "host-a",                                      of this attach of "host-a"
+//	      instance 0x5eed}                                    on "vol0"
 //	                              <-------------------------  VolumeInfo{handle 1, session gen 3}
 //	 GrantRequest{1, write, off}  ------------------------->
 //	                              <-------------------------  Grant{1, write, chunk, addr, rkey, gen 7}
@@ -49,7 +50,8 @@
 //
 //   - Hello goes in the connection's private data, both ways: the initiator's
 //     with its connect request, the target's with its accept. Each side then
-//     calls Negotiate with its own Hello and the peer's. Hello is always framed
+//     calls Negotiate with its own Hello and the peer's, and uses only the
+//     features both offered (FeatureOpenInstance). Hello is always framed
 //     as version 1 with credits and tag 0, and must fit the 56 bytes of private
 //     data (it takes 40).
 //   - AuthStart is the first request of every session; the target refuses
@@ -67,25 +69,52 @@
 //     fenced first); VolumeInfo gives the handle
 //     that names it in the connection's later requests, its size, its logical
 //     block size, its chunk size and the session's generation.
-//   - Sessions are reinstated by host ID. Open carries the initiator's stable
-//     host ID (empty for an anonymous initiator, whose sessions are never
-//     reinstated nor fenced). Open with a host ID fences every earlier
-//     session of that host ID and export on the target before it replies:
-//     their grants are revoked and deregistered, their connections closed,
-//     and nothing still in flight on them can reach the cache. VolumeInfo's
-//     Generation is never 0 and unique within the target's lifetime; a
-//     reconnecting initiator of the same host ID and export gets a higher
-//     one than its earlier sessions. Done and Flush carry the session's
-//     generation and a stale one is refused with CodeStale.
+//   - Sessions are reinstated by host ID and instance, as iSCSI's by
+//     initiator name and session ID (ISID). Open carries the initiator's
+//     stable host ID (empty for an anonymous initiator, whose sessions are
+//     never reinstated nor fenced) and, with OpenInstance, its instance: a
+//     random number, never 0, that names one attach (one initiator
+//     process) and stays the same on its reconnects and its queues. A
+//     read-write Open with a host ID is the same attach coming back when
+//     its instance is the one of the current session of that host ID and
+//     export, or when it has no instance (an initiator of before
+//     instances, or a target that did not offer FeatureOpenInstance: such
+//     Opens are reinstated as before instances existed). The same attach
+//     coming back fences the earlier session before the target replies:
+//     its grants are revoked and deregistered, its connection closed, and
+//     nothing still in flight on it can reach the cache.
+//   - Another attach of the same host ID (another instance; also an Open
+//     with an instance when the current session has none) does not fence a
+//     live session. The target checks that the current session lives: if
+//     its link is down it is fenced as above; otherwise the target sends
+//     it a KeepAlive and waits a short bound (a few seconds, at most its
+//     keepalive timeout). A session that does not answer in time is dead
+//     (its host crashed, or hangs): it is fenced, and the Open goes on.
+//     One that answers keeps the export, and the Open is refused with
+//     CodeBusy and a text that names it: its session, instance, peer
+//     address and since when it holds the export, and how to take it over
+//     anyway (OpenTakeover: rblk-attach --takeover). One such probe runs
+//     at a time per host ID and export (Opens meanwhile wait for its
+//     answer), an answer counts for a second, and a refused Open leaves
+//     nothing behind on the target. With OpenTakeover the live session is
+//     fenced without a probe.
+//   - VolumeInfo's Generation is never 0 and unique within the target's
+//     lifetime; a reconnecting initiator of the same host ID and export
+//     gets a higher one than its earlier sessions. Done and Flush carry the
+//     session's generation and a stale one is refused with CodeStale.
+//     Read-only Opens carry the instance too, but they neither fence nor
+//     are fenced.
 //   - Join adds another connection to an open session, as one more IO
 //     queue: after its own AuthStart (as the same host), the connection
 //     sends Join with the export, the host ID and the session's generation,
 //     and VolumeInfo gives it a handle of its own and the same generation.
 //     Grants, Done, Flush and Revoke are per connection, as on the first
-//     one; the generation, and fencing, are the session's: a later Open of
-//     the host ID fences every connection of the session, and a Join of a
-//     generation that is not the host's current one is refused with
-//     CodeStale. Anonymous sessions have no queues. An initiator that needs
+//     one; the generation, and fencing, are the session's: a later Open
+//     that fences the session (its attach coming back, a takeover, or
+//     another attach that found it dead) fences every connection of it,
+//     and a Join of a generation that is not the host's current one is
+//     refused with CodeStale. A Join carries no instance: the generation
+//     names the session. Anonymous sessions have no queues. An initiator that needs
 //     every write it completed durable sends Flush on every connection of
 //     the session (a Done on one connection is not ordered with a Flush on
 //     another).
@@ -131,10 +160,12 @@
 //     same host ID and export, the target first deregisters that session's
 //     grants and marks its handle stale, then sends it an Error with tag 0
 //     and CodeStale, a notice, and closes its connection. An initiator that
-//     receives the notice stops: it was replaced by another attach of the
-//     same host, and reconnecting would fence that one in turn. (A session
-//     fenced because its own initiator reconnected never sees the notice:
-//     its initiator has already left that connection.)
+//     receives the notice stops: it was replaced by another attach (one that
+//     took the export over, or found it dead), and reconnecting would be
+//     refused or fence that one in turn. (A session fenced because its own
+//     initiator reconnected never sees the notice: its initiator has
+//     already left that connection.) An initiator whose reconnect is refused
+//     with CodeBusy was replaced the same way while its link was down.
 //   - When a volume grows online (rblkd export grow), the target first makes
 //     the new size its own (the backing file extended, every size check and
 //     later VolumeInfo and ExportList with the new size; a cached last chunk
@@ -232,10 +263,12 @@
 //   - Every request gets exactly one reply (its reply or Error), except Done
 //     without DoneFUA, which gets one only if it fails, and Credit. Revoke
 //     and KeepAlive are never answered by Error.
-//   - Once the target has replied to an Open with a host ID, no session of
-//     that host ID and export with an older generation has grants, a
-//     connection, or anything in flight that can still reach the cache; its
-//     Done and Flush, should any arrive, are refused with CodeStale.
+//   - Once the target has replied to a read-write Open with a host ID, no
+//     session of that host ID and export with an older generation has
+//     grants, a connection, or anything in flight that can still reach the
+//     cache; its Done and Flush, should any arrive, are refused with
+//     CodeStale. A live session of another attach of the host is never
+//     fenced but by an Open with OpenTakeover.
 //   - Reserved fields and undefined flag bits are zero, and decoders reject
 //     anything else (ErrReserved), so that decoding and re-encoding a message
 //     gives back the same bytes.
@@ -284,7 +317,7 @@
 //     request's tag.
 //
 // Hello (1), 16 bytes. Versions are 1 <= min ver <= max ver. Features is a set
-// of optional features (none defined yet: FeatureMask); unknown bits are
+// of optional features (FeatureMask: FeatureOpenInstance, 1); unknown bits are
 // ignored. Recv credits is the number of receive buffers the sender posted for
 // its peer, max message the largest message (header included) it accepts.
 //
@@ -320,17 +353,24 @@
 //	1+len    8     size: the volume's size in bytes
 //	9+len    4     flags: VolumeFlags
 //
-// Open (5), 8 bytes, the name and the host ID. Mode is ModeReadOnly (0) or
-// ModeReadWrite (1); flags: OpenTakeover (1, read-write only); the name, 1 to MaxNameLen bytes of UTF-8 without NUL;
-// the host ID, 0 to MaxNameLen bytes of UTF-8 without NUL (0: anonymous). The
-// host ID follows the name without padding.
+// Open (5), 8 bytes, the instance (8 bytes, with OpenInstance only), the
+// name and the host ID. Mode is ModeReadOnly (0) or ModeReadWrite (1);
+// flags: OpenTakeover (1, read-write only), OpenInstance (2: the instance
+// follows, never 0; sent only to a target whose Hello offers
+// FeatureOpenInstance); the name, 1 to MaxNameLen bytes of UTF-8 without
+// NUL; the host ID, 0 to MaxNameLen bytes of UTF-8 without NUL (0:
+// anonymous). The host ID follows the name without padding.
 //
-//	    0       1       2       3       4       5       6       7
-//	  +-------+-------+---------------+---------------+---------------+
-//	0 | mode  | flags |   name len    |  host ID len  |   reserved    |
-//	  +-------+-------+---------------+---------------+---------------+
-//	8 | name (name len bytes), then host ID (host ID len bytes)       ~
-//	  +---------------------------------------------------------------+
+//	     0       1       2       3       4       5       6       7
+//	   +-------+-------+---------------+---------------+---------------+
+//	 0 | mode  | flags |   name len    |  host ID len  |   reserved    |
+//	   +-------+-------+---------------+---------------+---------------+
+//	 8 |            instance (only with OpenInstance)                  |
+//	   +---------------------------------------------------------------+
+//	16 | name (name len bytes), then host ID (host ID len bytes)       ~
+//	   +---------------------------------------------------------------+
+//
+// Without OpenInstance the name starts at byte 8.
 //
 // Join (23), 16 bytes, the name and the host ID (1 to MaxNameLen bytes:
 // never anonymous). Mode as in Open; flags reserved; the session

@@ -17,6 +17,7 @@ const (
 	exportListFixed  = 2
 	exportEntryFixed = 1 + 8 + 4
 	openFixedSize    = 8
+	instanceSize     = 8
 	joinFixedSize    = 16
 	volumeInfoSize   = 40
 	grantRequestSize = 16
@@ -30,9 +31,18 @@ const (
 	resizeSize       = 16
 )
 
-// FeatureMask is the set of Hello feature bits this package knows: none yet.
+// Hello feature bits. A side uses a feature only when both Hellos offer it
+// (Negotiate).
+const (
+	// FeatureOpenInstance: the sender understands an Open with
+	// OpenInstance. An initiator sets OpenInstance only when the target's
+	// Hello offers it (an older target rejects the flag as reserved).
+	FeatureOpenInstance uint32 = 1
+)
+
+// FeatureMask is the set of Hello feature bits this package knows.
 // Negotiate drops the others.
-const FeatureMask uint32 = 0
+const FeatureMask = FeatureOpenInstance
 
 // Flag bits of GrantRequest, Grant, Done, Trim and WriteZeroes. Undefined
 // bits are reserved: encoders and decoders reject them (ErrReserved).
@@ -463,27 +473,46 @@ type Open struct {
 	Name string
 	// HostID is the initiator's stable identity: 0 to MaxNameLen bytes of
 	// UTF-8 without NUL. Empty is anonymous: the session cannot be
-	// reinstated. With a host ID, the target fences every earlier session
-	// of the same host ID and export before it replies (see the package
-	// doc). On a session that named a host ID in AuthStart it is empty or
-	// that same ID.
+	// reinstated. With a host ID, the target fences the earlier session
+	// of the same host ID and export before it replies when this Open is
+	// the same attach coming back (see Instance and the package doc). On a
+	// session that named a host ID in AuthStart it is empty or that same
+	// ID.
 	HostID string
-	// Flags: OpenTakeover.
+	// Flags: OpenTakeover, OpenInstance.
 	Flags uint8
+	// Instance names the attach (the initiator process) beside its host
+	// ID: random, never 0, the same on every reconnect and queue of the
+	// attach. It is on the wire, and not 0, exactly when Flags has
+	// OpenInstance; without it Instance is 0.
+	Instance uint64
 }
 
 // Flags of Open. Undefined bits are reserved.
 const (
 	// OpenTakeover, on a read-write Open of an exclusive export that
-	// another host holds, fences that host's session and takes the export
-	// over instead of failing with ErrBusy.
+	// another host holds, or that another attach of the same host holds,
+	// fences that session and takes the export over instead of failing
+	// with ErrBusy.
 	OpenTakeover = 1
+	// OpenInstance says that the 8-byte Instance follows the fixed part
+	// of the Open. Sent only to a target whose Hello offers
+	// FeatureOpenInstance.
+	OpenInstance = 2
 
-	openFlagsMask = OpenTakeover
+	openFlagsMask = OpenTakeover | OpenInstance
 )
 
 func (m *Open) Type() Type { return TypeOpen }
-func (m *Open) Size() int  { return openFixedSize + len(m.Name) + len(m.HostID) }
+func (m *Open) Size() int  { return openFixedSize + m.instanceLen() + len(m.Name) + len(m.HostID) }
+
+// instanceLen is the bytes Instance takes on the wire.
+func (m *Open) instanceLen() int {
+	if m.Flags&OpenInstance != 0 {
+		return instanceSize
+	}
+	return 0
+}
 
 func (m *Open) MarshalTo(b []byte) int {
 	n := m.Size()
@@ -493,7 +522,12 @@ func (m *Open) MarshalTo(b []byte) int {
 	be.PutUint16(b[2:], uint16(len(m.Name)))
 	be.PutUint16(b[4:], uint16(len(m.HostID)))
 	be.PutUint16(b[6:], 0)
-	o := openFixedSize + copy(b[openFixedSize:], m.Name)
+	o := openFixedSize
+	if m.Flags&OpenInstance != 0 {
+		be.PutUint64(b[o:], m.Instance)
+		o += instanceSize
+	}
+	o += copy(b[o:], m.Name)
 	copy(b[o:], m.HostID)
 	return n
 }
@@ -513,13 +547,21 @@ func (m *Open) Unmarshal(p []byte) error {
 	if h > MaxNameLen {
 		return fmt.Errorf("decode %v: %w: host ID of %d bytes, more than %d", TypeOpen, ErrBadField, h, MaxNameLen)
 	}
-	if err := fixedSize(TypeOpen, p, openFixedSize+n+h); err != nil {
+	o := openFixedSize
+	if p[1]&OpenInstance != 0 {
+		o += instanceSize
+	}
+	if err := fixedSize(TypeOpen, p, o+n+h); err != nil {
 		return err
 	}
 	m.Mode = Mode(p[0])
 	m.Flags = p[1]
-	m.Name = string(p[openFixedSize : openFixedSize+n])
-	m.HostID = string(p[openFixedSize+n:])
+	m.Instance = 0
+	if m.Flags&OpenInstance != 0 {
+		m.Instance = be.Uint64(p[openFixedSize:])
+	}
+	m.Name = string(p[o : o+n])
+	m.HostID = string(p[o+n:])
 	if err := m.validate(); err != nil {
 		return decodeErr(TypeOpen, err)
 	}
@@ -535,6 +577,12 @@ func (m *Open) validate() error {
 	}
 	if m.Flags&OpenTakeover != 0 && m.Mode != ModeReadWrite {
 		return fmt.Errorf("%w: takeover of a read-only open", ErrBadField)
+	}
+	switch {
+	case m.Flags&OpenInstance != 0 && m.Instance == 0:
+		return fmt.Errorf("%w: instance 0", ErrBadField)
+	case m.Flags&OpenInstance == 0 && m.Instance != 0:
+		return fmt.Errorf("%w: instance %#x without the instance flag", ErrBadField, m.Instance)
 	}
 	if err := checkName(m.Name); err != nil {
 		return err

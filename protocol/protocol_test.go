@@ -252,6 +252,36 @@ var goldens = []golden{
 			"76 68", // "v", "h"
 	},
 	{
+		name: "Open/instance",
+		tag:  2,
+		msg: &protocol.Open{Mode: protocol.ModeReadWrite, Name: "vol0", HostID: "host-a", Flags: protocol.OpenInstance,
+			Instance: 0x0123456789abcdef},
+		hex: "52424c4b 01 05 0000 0000001a 00000000 0000000000000002" + // Open, 26 bytes, tag 2
+			"01 02 0004 0006 0000" + // read-write, instance, name of 4 bytes, host ID of 6 bytes, rsvd
+			"0123456789abcdef" + // instance
+			"766f6c30" + // "vol0"
+			"686f73742d61", // "host-a"
+	},
+	{
+		name: "Open/read-only-instance",
+		tag:  5,
+		msg:  &protocol.Open{Mode: protocol.ModeReadOnly, Name: "ro", Flags: protocol.OpenInstance, Instance: 1},
+		hex: "52424c4b 01 05 0000 00000012 00000000 0000000000000005" + // Open, 18 bytes, tag 5
+			"00 02 0002 0000 0000" + // read-only, instance, name of 2 bytes, no host ID, rsvd
+			"0000000000000001" + // instance 1
+			"726f", // "ro"
+	},
+	{
+		name: "Open/takeover-instance",
+		tag:  3,
+		msg: &protocol.Open{Mode: protocol.ModeReadWrite, Name: "v", HostID: "h", Flags: protocol.OpenTakeover | protocol.OpenInstance,
+			Instance: 0xfedcba9876543210},
+		hex: "52424c4b 01 05 0000 00000012 00000000 0000000000000003" + // Open, 18 bytes, tag 3
+			"01 03 0001 0001 0000" + // read-write, takeover|instance, name of 1 byte, host ID of 1 byte, rsvd
+			"fedcba9876543210" + // instance
+			"76 68", // "v", "h"
+	},
+	{
 		name: "AuthStart",
 		tag:  1,
 		msg: &protocol.AuthStart{Flags: protocol.AuthHaveSecret, HostID: "host-a", Challenge: [32]byte{
@@ -443,7 +473,13 @@ var bads = []bad{
 	{"Close reserved", "52424c4b 01 10 0000 00000008 00000000 0000000000000008 00000001 00000001", protocol.ErrReserved},
 	{"Close too long", "52424c4b 01 10 0000 00000010 00000000 0000000000000008 00000001 00000000 0000000000000003", protocol.ErrTrailing},
 	{"Revoke reserved", "52424c4b 01 09 0000 00000018 00000000 0000000000000001 00000001 80000000 0000000000200000 0000000000000007", protocol.ErrReserved},
-	{"Open reserved", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 02 0004 0000 0000 766f6c30", protocol.ErrReserved},
+	{"Open reserved", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 04 0004 0000 0000 766f6c30", protocol.ErrReserved},
+	{"Open instance 0", "52424c4b 01 05 0000 00000014 00000000 0000000000000002 01 02 0004 0000 0000 0000000000000000 766f6c30", protocol.ErrBadField},
+	{"Open instance missing", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 02 0004 0000 0000 766f6c30", protocol.ErrTruncated},
+	{"Open instance short", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 01 02 0000 0000 0000 01020304", protocol.ErrTruncated},
+	{"Open instance trailing", "52424c4b 01 05 0000 00000015 00000000 0000000000000002 01 02 0004 0000 0000 0000000000000001 766f6c30 00", protocol.ErrTrailing},
+	{"Open instance takeover read-only", "52424c4b 01 05 0000 00000014 00000000 0000000000000002 00 03 0004 0000 0000 0000000000000001 766f6c30", protocol.ErrBadField},
+	{"Open instance reserved", "52424c4b 01 05 0000 00000014 00000000 0000000000000002 01 06 0004 0000 0000 0000000000000001 766f6c30", protocol.ErrReserved},
 	{"Open takeover read-only", "52424c4b 01 05 0000 0000000c 00000000 0000000000000002 00 01 0004 0000 0000 766f6c30", protocol.ErrBadField},
 	{"AuthStart reserved", "52424c4b 01 13 0000 00000028 00000000 0000000000000001 00 01 0000 00000000" + strings.Repeat("00", 32), protocol.ErrReserved},
 	{"AuthStart flags", "52424c4b 01 13 0000 00000028 00000000 0000000000000001 02 00 0000 00000000" + strings.Repeat("00", 32), protocol.ErrReserved},
@@ -610,6 +646,8 @@ func TestAppendErrors(t *testing.T) {
 		{"Open host ID too long", &protocol.Open{Name: "vol0", HostID: long}, protocol.ErrBadField},
 		{"Open host ID NUL", &protocol.Open{Name: "vol0", HostID: "h\x00"}, protocol.ErrBadField},
 		{"Open host ID not UTF-8", &protocol.Open{Name: "vol0", HostID: "h\xff"}, protocol.ErrBadField},
+		{"Open instance without its flag", &protocol.Open{Name: "vol0", HostID: "h", Instance: 7}, protocol.ErrBadField},
+		{"Open instance flag without an instance", &protocol.Open{Name: "vol0", HostID: "h", Flags: protocol.OpenInstance}, protocol.ErrBadField},
 		{"ExportList name too long", &protocol.ExportList{Exports: []protocol.ExportEntry{{Name: long}}}, protocol.ErrBadField},
 		{"ExportList too large", &protocol.ExportList{Exports: many}, protocol.ErrTooLarge},
 		{"ExportList flags", &protocol.ExportList{Exports: []protocol.ExportEntry{{Name: "a", Flags: 1 << 9}}}, protocol.ErrReserved},
@@ -681,7 +719,8 @@ func TestLimits(t *testing.T) {
 	// The largest Error and Open fit.
 	for _, m := range []protocol.Message{
 		&protocol.ErrorMsg{Code: protocol.CodeIO, Text: strings.Repeat("é", protocol.MaxErrorText/2)},
-		&protocol.Open{Name: strings.Repeat("n", protocol.MaxNameLen), HostID: strings.Repeat("h", protocol.MaxNameLen)},
+		&protocol.Open{Name: strings.Repeat("n", protocol.MaxNameLen), HostID: strings.Repeat("h", protocol.MaxNameLen),
+			Flags: protocol.OpenTakeover | protocol.OpenInstance, Instance: ^uint64(0), Mode: protocol.ModeReadWrite},
 		&protocol.ExportList{Exports: []protocol.ExportEntry{{Name: strings.Repeat("n", protocol.MaxNameLen)}}},
 	} {
 		b, err := protocol.Append(nil, 0, 0, m)
@@ -751,6 +790,15 @@ func TestNegotiate(t *testing.T) {
 	// Unknown feature bits are dropped.
 	if _, f, err := protocol.Negotiate(h(1, 1, 0xffffffff), h(1, 1, 0xffffffff)); err != nil || f != protocol.FeatureMask {
 		t.Errorf("features = %#x, %v", f, err)
+	}
+	// The instance in Open is used only when both sides offer it: a peer
+	// of before it (no features) gets Opens without it.
+	all := protocol.FeatureMask
+	if _, f, err := protocol.Negotiate(h(1, 1, all), h(1, 1, all)); err != nil || f&protocol.FeatureOpenInstance == 0 {
+		t.Errorf("both offer FeatureOpenInstance: features = %#x, %v", f, err)
+	}
+	if _, f, err := protocol.Negotiate(h(1, 1, all), h(1, 1, 0)); err != nil || f&protocol.FeatureOpenInstance != 0 {
+		t.Errorf("an older peer: features = %#x, %v", f, err)
 	}
 }
 

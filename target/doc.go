@@ -34,9 +34,14 @@
 //   - Trim and WriteZeroes: zero the cached copy and the file (fallocate);
 //   - refuse what is malformed or out of range with an Error message, and
 //     close a session that breaks the protocol, without touching the others;
-//   - fence: a read-write Open with a host ID first fences every earlier
+//   - fence: a read-write Open with a host ID first fences the earlier
 //     session of that host ID and export (grants deregistered, handle stale,
-//     connection closed, requests finished); Done and Flush name the
+//     connection closed, requests finished) when it is the same attach
+//     coming back (the same instance, or an Open without one); another
+//     attach of the host fails with ErrBusy naming the live holder, unless
+//     it takes over (OpenTakeover), or the holder's link is down, or it
+//     does not answer a KeepAlive within Options.LivenessProbe (one such
+//     probe at a time per host and export); Done and Flush name the
 //     session's generation. A grant dies with its revoke, its handle's
 //     Close, and its session's end or fence: its rkey then reaches nothing;
 //   - keep sessions honest: a silent initiator is dropped (KeepAlive), one

@@ -70,17 +70,17 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		grants:  prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "grants_total", Help: "Chunk grants registered for initiators, by export."}, exp),
 		revokes: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "revokes_total", Help: "Chunk grants revoked from initiators, by export."}, exp),
 		fenced: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sessions_fenced_total",
-			Help: "Earlier sessions of a host ID and export fenced because the host opened the export again (reinstatement)."}),
+			Help: "Earlier sessions of a host ID and export fenced: the same attach opened the export again (reinstatement), or another attach of the host found it dead (no answer to a liveness check) or took it over."}),
 		revokeTimeouts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revoke_timeouts_total",
 			Help: "Sessions closed because they did not answer a revoke in time."}),
 		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "auth_failures_total",
 			Help: "Sessions refused by authentication, by reason: unknown_host, no_secret, wrong_secret, unauthenticated_request, timeout."}, []string{"reason"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "refused_total",
-			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, not_allowed, writer_busy."}, []string{"reason"}),
+			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, not_allowed, writer_busy, attach_busy (another live attach of the host holds the export)."}, []string{"reason"}),
 		hostSessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "host_sessions",
 			Help: "Sessions now, by the host ID they authenticated (or, without an auth file, named) as."}, []string{"host_id"}),
 		takeovers: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "takeovers_total",
-			Help: "Exclusive exports taken over from another host (its session fenced)."}),
+			Help: "Exclusive exports taken over from another host, or from another attach of the same host (its session fenced)."}),
 		evictions:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache, by export."}, exp),
 		loads:          prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_loads_total", Help: "Chunks loaded from backing files, by export."}, exp),
 		loadBytes:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_load_bytes_total", Help: "Bytes loaded from backing files, by export."}, exp),
@@ -102,7 +102,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, r := range []string{"unknown_host", "no_secret", "wrong_secret", "unauthenticated_request", "timeout"} {
 		m.authFailures.WithLabelValues(r)
 	}
-	for _, r := range []string{"session_limit", "host_session_limit", "not_allowed", "writer_busy"} {
+	for _, r := range []string{"session_limit", "host_session_limit", "not_allowed", "writer_busy", "attach_busy"} {
 		m.refused.WithLabelValues(r)
 	}
 	if reg != nil {

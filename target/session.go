@@ -21,6 +21,8 @@ type openVol struct {
 	writable bool
 	gen      uint64      // the session generation VolumeInfo gave
 	ident    ident       // host ID and export; host "" is anonymous
+	instance uint64      // the attach's, from Open; 0: none given
+	since    time.Time   // when it was opened
 	fenced   atomic.Bool // a later session of ident took over
 
 	// Queues (Join): on the session's first openVol, the connections that
@@ -286,14 +288,16 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	if writable && v.readOnly {
 		return nil, fmt.Errorf("export %q is read-only: %w", m.Name, protocol.ErrPerm)
 	}
-	ov := &openVol{v: v, writable: writable, ident: ident{host: host, export: v.name}}
+	ov := &openVol{v: v, writable: writable, ident: ident{host: host, export: v.name}, instance: m.Instance, since: time.Now()}
 	if host == "" {
 		ov.ident.anon = s.id
 	}
-	// Reinstatement: every earlier session of this host and export is
-	// fenced (its grants deregistered, its connection closed, its
-	// requests finished) before this one gets a handle; so is another
-	// host's writer of an exclusive export on a takeover.
+	// Reinstatement: the earlier session of this attach (this host and
+	// instance) and export is fenced (its grants deregistered, its
+	// connection closed, its requests finished) before this one gets a
+	// handle; so is another host's writer of an exclusive export, or
+	// another attach of this host, on a takeover. Another live attach of
+	// this host makes the open fail (see Target.reinstate).
 	if err := s.t.reinstate(s.ctx, s, ov, m.Flags&protocol.OpenTakeover != 0); err != nil {
 		return nil, err
 	}
@@ -320,7 +324,7 @@ func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, er
 	}
 	s.mu.Unlock()
 	v := ov.v
-	s.log.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host),
+	s.log.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host), zap.String("instance", instanceString(ov.instance)),
 		zap.Bool("writable", ov.writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !ov.writable {

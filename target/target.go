@@ -44,7 +44,20 @@ const (
 	// DefaultHandshakeTimeout is how long a connection may take to
 	// authenticate before it is closed.
 	DefaultHandshakeTimeout = 10 * time.Second
+	// DefaultLivenessProbe bounds how long a live attach has to answer the
+	// KeepAlive that checks it when another attach of its host opens its
+	// export (see Options.LivenessProbe).
+	DefaultLivenessProbe = 5 * time.Second
 )
+
+// probeFresh is how long the answer of a liveness probe stands for the
+// Opens that did not wait for it: more Opens meanwhile send no more
+// KeepAlives.
+const probeFresh = time.Second
+
+// maxProbeRounds bounds how often one Open waits for a liveness probe
+// (the holder it checks may change meanwhile) before it is refused.
+const maxProbeRounds = 4
 
 // Options configure a Target.
 type Options struct {
@@ -94,6 +107,12 @@ type Options struct {
 	// authenticate (or, without Auth, to name its host). Default
 	// DefaultHandshakeTimeout.
 	HandshakeTimeout time.Duration
+	// LivenessProbe bounds the check of a live session when another attach
+	// (another instance) of the same host opens its export read-write: the
+	// session that does not answer a KeepAlive in that time is fenced and
+	// the Open goes on; one that answers keeps the export. At most
+	// KeepAlive when that is positive. Default DefaultLivenessProbe.
+	LivenessProbe time.Duration
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Registerer receives the target's metrics. Default: not registered.
@@ -133,6 +152,7 @@ type Target struct {
 	accepted  int                  // sessions between accept and end, handshaking ones included
 	perHost   map[string]int       // sessions by host ID, from AuthStart to end
 	idents    map[ident]identEntry // the current session of each identity
+	probes    map[ident]*probe     // the last liveness probe of each identity's current session
 	penalties map[string]time.Time // hosts dropped for not answering revokes, until when
 	nextID    uint64
 	nextGen   uint64
@@ -163,6 +183,10 @@ func New(opts Options) (*Target, error) {
 	orDefault(&opts.MaxSessions, DefaultMaxSessions)
 	orDefault(&opts.MaxSessionsPerHost, DefaultMaxSessionsPerHost)
 	orDefault(&opts.HandshakeTimeout, DefaultHandshakeTimeout)
+	orDefault(&opts.LivenessProbe, DefaultLivenessProbe)
+	if opts.KeepAlive > 0 {
+		opts.LivenessProbe = min(opts.LivenessProbe, opts.KeepAlive)
+	}
 	if opts.TargetID == "" {
 		opts.TargetID, _ = os.Hostname()
 	}
@@ -181,7 +205,7 @@ func New(opts Options) (*Target, error) {
 	}
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
-		idents: make(map[ident]identEntry), perHost: make(map[string]int), penalties: make(map[string]time.Time)}
+		idents: make(map[ident]identEntry), probes: make(map[ident]*probe), perHost: make(map[string]int), penalties: make(map[string]time.Time)}
 	for i, e := range opts.Exports {
 		if t.volumes[e.Name] != nil {
 			t.closeVolumes()
@@ -445,14 +469,21 @@ func (t *Target) drainWith(ctx context.Context, sessions []*session, why string)
 //   - an exclusive export (not Shared) has one writing host: another
 //     host's writer makes the open fail with ErrBusy naming it, unless
 //     takeover, which fences that writer first;
-//   - every earlier session of the same host and export is fenced
-//     (reinstatement: the host reconnected, or crashed and came back).
+//   - the earlier session of the same host and export is fenced when it
+//     is the same attach coming back (reinstatement: its own reconnect, or
+//     the host back after the target lost the link): the same instance,
+//     or an Open without one (an initiator of before instances);
+//   - the live session of another attach of the same host (another
+//     instance) keeps the export: the open fails with ErrBusy naming it,
+//     unless takeover, which fences it. Unless its link is down, it is
+//     probed first (see checkLive): one that does not answer in time is
+//     dead, and is fenced as a reinstatement.
 //
 // Fencing marks the earlier handle stale (its Done and Flush are refused
 // from now on), closes its connection and waits until the session
 // released everything: its requests finished and its grants
 // deregistered, so nothing still in flight on it can reach the cache or
-// the file.
+// the file. A refused open leaves nothing behind.
 func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeover bool) error {
 	t.mu.Lock()
 	t.nextGen++
@@ -462,32 +493,83 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		t.mu.Unlock()
 		return nil
 	}
-	var others []identEntry
-	if !t.shared(ov.v) {
-		for id, e := range t.idents {
-			if id.export == ov.ident.export && id != ov.ident && e.s != s {
-				others = append(others, e)
+	var waited *probe       // the last probe this open waited for
+	var others []identEntry // other hosts' writers
+	for round := 0; ; round++ {
+		others = others[:0]
+		if !t.shared(ov.v) {
+			for id, e := range t.idents {
+				if id.export == ov.ident.export && id != ov.ident && e.s != s {
+					others = append(others, e)
+				}
 			}
 		}
-	}
-	if len(others) > 0 && !takeover {
+		if len(others) > 0 && !takeover {
+			t.mu.Unlock()
+			t.m.refused.WithLabelValues("writer_busy").Inc()
+			o := others[0]
+			return fmt.Errorf("export %q is held read-write by %s (session %d from %s): attach read-only, or take it over (rblk-attach --takeover): %w",
+				ov.ident.export, o.ov.ident.describe(), o.s.id, o.s.peer, protocol.ErrBusy)
+		}
+		old, had := t.idents[ov.ident]
+		if !had || old.s == s || takeover || sameAttach(old.ov, ov) {
+			break
+		}
+		// Another attach of this host holds the export.
+		p, dead := t.checkLive(old, waited)
+		if p == nil && !dead {
+			t.mu.Unlock()
+			t.m.refused.WithLabelValues("attach_busy").Inc()
+			return heldByAttach(ov, old)
+		}
+		if dead {
+			break
+		}
+		if round+1 >= maxProbeRounds {
+			t.mu.Unlock()
+			t.m.refused.WithLabelValues("attach_busy").Inc()
+			return heldByAttach(ov, old)
+		}
 		t.mu.Unlock()
-		t.m.refused.WithLabelValues("writer_busy").Inc()
-		o := others[0]
-		return fmt.Errorf("export %q is held read-write by %s (session %d from %s): attach read-only, or take it over (rblk-attach --takeover): %w",
-			ov.ident.export, o.ov.ident.describe(), o.s.id, o.s.peer, protocol.ErrBusy)
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			return fmt.Errorf("open %q: waiting for the check of session %d: %w", ov.ident.export, old.s.id, ctx.Err())
+		}
+		waited = p
+		t.mu.Lock()
 	}
-	// The queues of the sessions fenced here are fenced with them (and
-	// join them no more).
+	// (Still under t.mu.) The queues of the sessions fenced here are
+	// fenced with them (and join them no more).
 	var othersQueues, queues []identEntry
 	for _, o := range others {
 		delete(t.idents, o.ov.ident)
 		othersQueues = append(othersQueues, o.ov.endQueues()...)
 	}
 	old, had := t.idents[ov.ident]
-	if had && old.s != s {
+	replaced := had && old.s != s
+	if replaced {
 		queues = old.ov.endQueues()
 	}
+	// Why the earlier session of this host ends: its attach came back, it
+	// was taken over by another attach, or it was found dead.
+	var why string
+	switch {
+	case !replaced:
+	case sameAttach(old.ov, ov):
+		why = fmt.Sprintf("fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)
+	case takeover:
+		t.m.takeovers.Inc()
+		why = fmt.Sprintf("fenced: another attach of host %q (instance %s) took export %q over on session %d (--takeover)",
+			ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
+	case old.s.link.Err() != nil:
+		why = fmt.Sprintf("fenced: its connection was down when another attach of host %q (instance %s) opened export %q on session %d",
+			ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
+	default:
+		why = fmt.Sprintf("fenced: it did not answer a liveness check in %v when another attach of host %q (instance %s) opened export %q on session %d",
+			t.opts.LivenessProbe, ov.ident.host, instanceString(ov.instance), ov.ident.export, s.id)
+	}
+	delete(t.probes, ov.ident)
 	t.idents[ov.ident] = identEntry{s: s, ov: ov}
 	if until, ok := t.penalties[ov.ident.host]; ok && ov.ident.host != "" && until.UnixNano() > s.penaltyEnd.Load() {
 		s.penaltyEnd.Store(until.UnixNano())
@@ -504,14 +586,108 @@ func (t *Target) reinstate(ctx context.Context, s *session, ov *openVol, takeove
 		errs = append(errs, t.fence(ctx, q, fmt.Sprintf("fenced: %s took export %q over on session %d", ov.ident.describe(), ov.ident.export, s.id)))
 	}
 	for _, q := range queues {
-		errs = append(errs, t.fence(ctx, q, fmt.Sprintf("fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)))
+		errs = append(errs, t.fence(ctx, q, why))
 	}
-	if had && old.s != s {
-		old.s.log.Warn("fencing this session: its host opened the export again", zap.String("host_id", ov.ident.host),
-			zap.String("export", ov.ident.export), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
-		errs = append(errs, t.fence(ctx, old, fmt.Sprintf("fenced: host %q opened export %q again on session %d", ov.ident.host, ov.ident.export, s.id)))
+	if replaced {
+		old.s.log.Warn("fencing this session", zap.String("why", why), zap.String("host_id", ov.ident.host),
+			zap.String("export", ov.ident.export), zap.String("instance", instanceString(old.ov.instance)),
+			zap.String("new_instance", instanceString(ov.instance)), zap.Uint64("new_session", s.id), zap.Uint64("new_generation", ov.gen))
+		errs = append(errs, t.fence(ctx, old, why))
 	}
 	return errors.Join(errs...)
+}
+
+// sameAttach reports whether next, an Open of the identity of cur, is
+// cur's attach coming back: the same instance, or an Open without one
+// (an initiator of before instances, reinstated as it always was). An
+// Open with an instance is not the attach of a session without one.
+func sameAttach(cur, next *openVol) bool {
+	return next.instance == 0 || cur.instance == next.instance
+}
+
+// instanceString formats an attach's instance as rblk-attach shows it.
+func instanceString(i uint64) string {
+	if i == 0 {
+		return "none"
+	}
+	return fmt.Sprintf("%016x", i)
+}
+
+// heldByAttach is the refusal of ov's Open while cur, the session of
+// another attach of the same host, lives.
+func heldByAttach(ov *openVol, cur identEntry) error {
+	return fmt.Errorf("export %q is held read-write by another attach of host %q: session %d, instance %s, from %s, since %s; "+
+		"it answers, so it is alive: detach it first, attach read-only, or take the export over from it (rblk-attach --takeover): %w",
+		ov.ident.export, ov.ident.host, cur.s.id, instanceString(cur.ov.instance), cur.s.link.Conn().RemoteAddr(),
+		cur.ov.since.UTC().Format(time.RFC3339), protocol.ErrBusy)
+}
+
+// probe is a liveness check of the current session of an identity: a
+// KeepAlive on its link, answered within Options.LivenessProbe or not.
+type probe struct {
+	s     *session
+	done  chan struct{} // closed once answered or not
+	ended bool          // done is closed (Target.mu)
+	alive bool          // it answered in time (Target.mu, once ended)
+	at    time.Time     // when it ended (Target.mu)
+}
+
+// checkLive decides about cur, the live session of another attach of the
+// identity that an Open wants: dead (fence it, and open) or alive (p nil:
+// refuse); or it returns the probe to wait for, in flight or started
+// here, before deciding again. waited is the probe the Open last waited
+// for: its answer stands for it however late the Open looks at it. One
+// probe at a time per identity; an answer stands for probeFresh for the
+// others. Target.mu is held.
+func (t *Target) checkLive(cur identEntry, waited *probe) (p *probe, dead bool) {
+	if cur.s.link.Err() != nil {
+		return nil, true // its link is down: its end is on its way
+	}
+	id := cur.ov.ident
+	p = t.probes[id]
+	switch {
+	case p != nil && !p.ended:
+		return p, false
+	case p != nil && p.s == cur.s && (p == waited || time.Since(p.at) < probeFresh):
+		return nil, !p.alive
+	}
+	p = &probe{s: cur.s, done: make(chan struct{})}
+	t.probes[id] = p
+	t.wg.Add(1)
+	go t.runProbe(p, cur)
+	return p, false
+}
+
+// runProbe sends cur's session a KeepAlive and records whether it
+// answered within Options.LivenessProbe. It does not fence: the Open
+// that waits does, so that a probe whose Opens left changes nothing. A
+// target shutting down takes no session for dead.
+func (t *Target) runProbe(p *probe, cur identEntry) {
+	defer t.wg.Done()
+	start := time.Now()
+	cur.s.log.Info("another attach of this session's host opens its export: checking that this session lives",
+		zap.String("export", cur.ov.ident.export), zap.String("instance", instanceString(cur.ov.instance)), zap.Duration("bound", t.opts.LivenessProbe))
+	ctx, cancel := context.WithTimeout(t.ctx, t.opts.LivenessProbe)
+	err := cur.s.link.RequestWithin(ctx, 0, &protocol.KeepAlive{}, &protocol.OK{})
+	cancel()
+	alive := err == nil || t.ctx.Err() != nil
+	if alive {
+		cur.s.log.Info("this session answered the liveness check and keeps its export",
+			zap.String("export", cur.ov.ident.export), zap.String("instance", instanceString(cur.ov.instance)),
+			zap.Duration("answered_in", time.Since(start)))
+	} else {
+		cur.s.log.Warn("this session did not answer a liveness check: it is fenced for another attach of its host",
+			zap.String("export", cur.ov.ident.export), zap.String("instance", instanceString(cur.ov.instance)),
+			zap.Duration("bound", t.opts.LivenessProbe), zap.Error(err))
+	}
+	t.mu.Lock()
+	p.ended, p.alive, p.at = true, alive, time.Now()
+	close(p.done)
+	id := cur.ov.ident
+	if e, ok := t.idents[id]; t.probes[id] == p && (!ok || e.s != p.s) {
+		delete(t.probes, id) // its session is gone: nothing to remember
+	}
+	t.mu.Unlock()
 }
 
 // fence ends the session of e: its handle is stale and it gets no new
@@ -600,6 +776,9 @@ func (t *Target) forget(s *session, ov *openVol) {
 	t.mu.Lock()
 	if e, ok := t.idents[ov.ident]; ok && e.s == s && e.ov == ov {
 		delete(t.idents, ov.ident)
+		if p := t.probes[ov.ident]; p != nil && p.s == s && p.ended {
+			delete(t.probes, ov.ident)
+		}
 	}
 	t.mu.Unlock()
 }

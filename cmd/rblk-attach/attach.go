@@ -65,7 +65,16 @@ first); 'rblk-attach detach /dev/nbdN' makes it flush, close and exit 0.
 
 With --device ublk (or /dev/ublkbN) it attaches as /dev/ublkbN through the
 kernel's ublk driver (Linux >= 6.0, modprobe ublk_drv): one io_uring queue per
-CPU (--connections sets how many), same lifecycle.`,
+CPU (--connections sets how many), same lifecycle.
+
+Each attach has an instance, a random number made at start and kept across
+its reconnects, beside the host ID (rblk-attach status shows both). rblkd
+reinstates the same attach coming back (its reconnect fences its earlier
+session), but refuses a read-write attach of an export that another live
+attach of this host holds, naming it (since when, from where, its instance):
+detach that one first, attach read-only, or give --takeover. An attach whose
+holder no longer answers (its host crashed or hangs) gets in without
+--takeover once rblkd's liveness check of the holder went unanswered.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return attach(f) },
 	}
@@ -79,10 +88,10 @@ CPU (--connections sets how many), same lifecycle.`,
 	fl.BoolVar(&f.readOnly, "read-only", false, "attach read-only")
 	fl.DurationVar(&f.reconnectTimeout, "reconnect-timeout", initiator.DefaultReconnectTimeout,
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
-	fl.StringVar(&f.hostID, "host-id", "", "this host's identity: a reconnect or a new attach with it fences the earlier session (default: read "+cli.DefaultHostIDFile+", created on first use)")
+	fl.StringVar(&f.hostID, "host-id", "", "this host's identity: a reconnect of this attach fences its earlier session; another attach of the export with it is refused while this one lives (default: read "+cli.DefaultHostIDFile+", created on first use)")
 	fl.StringVar(&f.hostIDFile, "host-id-file", cli.DefaultHostIDFile, "file holding the host ID when --host-id is not given")
 	fl.StringVar(&f.secretFile, "secret-file", "", "file holding this host's secret (mode 0600): authenticate with the target, both ways")
-	fl.BoolVar(&f.takeover, "takeover", false, "take an exclusive export over from the host that holds it read-write: the target fences that host first")
+	fl.BoolVar(&f.takeover, "takeover", false, "take the export over from the session that holds it read-write, another host's writer of an exclusive export or another live attach of this host: the target fences that session first")
 	fl.DurationVar(&f.keepAlive, "keepalive-timeout", initiator.DefaultKeepAlive,
 		"a link to the target silent this long is declared dead and the reconnect path runs (probed after a third of it; 0: never)")
 	fl.DurationVar(&f.ioTimeout, "io-timeout", initiator.DefaultIOTimeout,
@@ -162,6 +171,15 @@ func attach(f attachFlags) error {
 	if err != nil {
 		return err
 	}
+	// This attach's instance: one per process, the same on every
+	// reconnect and queue, so that rblkd tells this attach coming back
+	// from another attach of the host.
+	instance, err := initiator.NewInstance()
+	if err != nil {
+		return err
+	}
+	log.Info("attach identity", zap.String("host_id", hostID), zap.String("instance", initiator.FormatInstance(instance)),
+		zap.String("export", f.export), zap.String("target", f.target))
 	secret, err := readSecret(f.secretFile)
 	if err != nil {
 		return err
@@ -188,9 +206,9 @@ func attach(f attachFlags) error {
 		}
 	}
 	grow := newGrowHook(log, f.export)
-	f.state = newStateFile(ctx, f.stateDir, f, queues, log)
+	f.state = newStateFile(ctx, f.stateDir, f, queues, hostID, instance, log)
 	defer f.state.remove()
-	vol, err := initiator.Open(octx, initiator.Options{OnLink: f.state.onLink, Provider: p, Target: f.target, Export: f.export, HostID: hostID, Queues: queues,
+	vol, err := initiator.Open(octx, initiator.Options{OnLink: f.state.onLink, Provider: p, Target: f.target, Export: f.export, HostID: hostID, Instance: instance, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
 		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, Logger: log, Metrics: initiator.NewMetrics(reg),
 		OnResize: func(oldSize, newSize uint64) { grow.onResize(oldSize, newSize); f.state.resized(newSize) }})

@@ -18,6 +18,7 @@ import (
 
 	"github.com/rblk/rblk/cmd/internal/attachstate"
 	"github.com/rblk/rblk/cmd/internal/cli"
+	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/ublk"
 	"github.com/rblk/rblk/protocol"
 )
@@ -34,13 +35,13 @@ type stateFile struct {
 // newStateFile creates this process's status file in dir, in state
 // connecting. A failure is logged, not fatal: the attach works without it
 // (rblk-attach status does not show it).
-func newStateFile(ctx context.Context, dir string, f attachFlags, queues int, log *zap.Logger) *stateFile {
+func newStateFile(ctx context.Context, dir string, f attachFlags, queues int, hostID string, instance uint64, log *zap.Logger) *stateFile {
 	s := &stateFile{log: log, ctx: ctx}
 	if dir == "" {
 		return s
 	}
 	e := attachstate.Entry{Export: f.export, Target: f.target, Transport: f.transport, State: attachstate.Connecting,
-		Queues: queues, ReadOnly: f.readOnly}
+		Queues: queues, ReadOnly: f.readOnly, HostID: hostID, Instance: initiator.FormatInstance(instance)}
 	if f.nbdListen != "" {
 		e.Socket = f.nbdListen
 	}
@@ -129,11 +130,13 @@ func newStatusCmd() *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "status [--json]",
-		Short: "List the attaches running on this host: device or socket, export, target, state, reconnects",
+		Short: "List the attaches running on this host: device or socket, export, target, state, reconnects, host ID and instance",
 		Long: `Status lists every rblk-attach attach running on this host, from the status
 files they keep in --state-dir: the device (/dev/nbdN, /dev/ublkbN) or NBD socket,
 the export and target, the transport, the state (connecting, up, reconnecting,
-draining, failed), the reconnects so far, and since when it is in its state.
+draining, failed), the reconnects so far, since when it is in its state, and
+the host ID and instance it attaches as (rblkd names the instance when it
+refuses another attach of the export).
 With --json it prints a JSON list of those objects (see README, Status).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -164,16 +167,24 @@ func writeJSON[T any](w io.Writer, v []T) error {
 
 func printStatus(out io.Writer, es []attachstate.Entry) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "PID\tDEVICE\tEXPORT\tTARGET\tTRANSPORT\tSTATE\tSINCE\tRECONNECTS\tQUEUES")
+	fmt.Fprintln(w, "PID\tDEVICE\tEXPORT\tTARGET\tTRANSPORT\tSTATE\tSINCE\tRECONNECTS\tQUEUES\tHOST ID\tINSTANCE")
 	for _, e := range es {
 		dev := e.Device
 		if dev == "" {
 			dev = e.Socket
 		}
-		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\n", e.PID, dev, e.Export, e.Target, e.Transport, e.State,
-			e.Since.Local().Format(time.DateTime), e.Reconnects, e.Queues)
+		fmt.Fprintf(w, "%d\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", e.PID, dev, e.Export, e.Target, e.Transport, e.State,
+			e.Since.Local().Format(time.DateTime), e.Reconnects, e.Queues, orDash(e.HostID), orDash(e.Instance))
 	}
 	return w.Flush()
+}
+
+// orDash is s, or "-" for an empty field of the table.
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
 
 // exportJSON is an element of rblk-attach list --json.

@@ -1,8 +1,13 @@
 package main
 
 import (
+	"bytes"
 	"errors"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/rblk/rblk/cmd/internal/attachstate"
 )
 
 func TestParseBackend(t *testing.T) {
@@ -49,5 +54,30 @@ func TestUdevIDRefuses(t *testing.T) {
 	// nbd99 does not exist here, or is not rblk's.
 	if _, _, err := udevID("nbd99", t.TempDir()); !errors.Is(err, errNotRblk) {
 		t.Errorf("udev-id nbd99: %v, want errNotRblk", err)
+	}
+}
+
+// TestPrintStatusIdentity: the table shows each attach's host ID and
+// instance (two attaches of one host and export differ by the instance),
+// and a dash for a file of an older rblk-attach without them.
+func TestPrintStatusIdentity(t *testing.T) {
+	var out bytes.Buffer
+	es := []attachstate.Entry{
+		{PID: 10, Socket: "unix:/a.sock", Export: "vol", Target: "t:1", Transport: "tcp", State: attachstate.Up, Since: time.Now(),
+			HostID: "host-1", Instance: "0123456789abcdef"},
+		{PID: 11, Socket: "unix:/b.sock", Export: "vol", Target: "t:1", Transport: "tcp", State: attachstate.Up, Since: time.Now()},
+	}
+	if err := printStatus(&out, es); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 3 || !strings.Contains(lines[0], "HOST ID") || !strings.Contains(lines[0], "INSTANCE") {
+		t.Fatalf("status table:\n%s", out.String())
+	}
+	if f := strings.Fields(lines[1]); f[len(f)-2] != "host-1" || f[len(f)-1] != "0123456789abcdef" {
+		t.Errorf("row of an attach: %q, want its host ID and instance last", lines[1])
+	}
+	if f := strings.Fields(lines[2]); f[len(f)-2] != "-" || f[len(f)-1] != "-" {
+		t.Errorf("row of an older attach: %q, want dashes", lines[2])
 	}
 }

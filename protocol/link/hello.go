@@ -10,7 +10,7 @@ import (
 )
 
 func (o *Options) hello() []byte {
-	h := protocol.Hello{MinVersion: protocol.Version, MaxVersion: protocol.Version,
+	h := protocol.Hello{MinVersion: protocol.Version, MaxVersion: protocol.Version, Features: protocol.FeatureMask,
 		RecvCredits: uint16(o.RecvBuffers), MaxMessage: protocol.MaxMessageSize}
 	b, err := protocol.Append(nil, 0, 0, &h)
 	if err != nil {
@@ -51,18 +51,21 @@ func Dial(ctx context.Context, p transport.Provider, addr string, opts Options) 
 		return nil, fmt.Errorf("connect %s: %w", addr, err)
 	}
 	peer, err := parseHello(conn.PeerPrivateData())
+	var features uint32
 	if err == nil {
-		_, _, err = protocol.Negotiate(protocol.Hello{MinVersion: protocol.Version, MaxVersion: protocol.Version}, *peer)
+		_, features, err = protocol.Negotiate(localHello, *peer)
 	}
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("connect %s: %w", addr, err)
 	}
-	l, err := New(conn, int(peer.RecvCredits), opts)
+	l, err := setup(conn, int(peer.RecvCredits), opts)
 	if err != nil {
 		conn.Close()
 		return nil, err
 	}
+	l.features = features
+	l.start()
 	return l, nil
 }
 
@@ -75,8 +78,9 @@ func Dial(ctx context.Context, p transport.Provider, addr string, opts Options) 
 func Accept(ctx context.Context, req transport.ConnRequest, opts Options) (*Link, error) {
 	opts.setDefaults()
 	peer, err := parseHello(req.PrivateData())
+	var features uint32
 	if err == nil {
-		_, _, err = protocol.Negotiate(protocol.Hello{MinVersion: protocol.Version, MaxVersion: protocol.Version}, *peer)
+		_, features, err = protocol.Negotiate(localHello, *peer)
 	}
 	if err != nil {
 		em := protocol.ErrorMsg{Code: protocol.CodeProto, Text: trimText(err.Error(), 150)}
@@ -103,9 +107,18 @@ func Accept(ctx context.Context, req transport.ConnRequest, opts Options) (*Link
 		l.Close()
 		return nil, fmt.Errorf("accept %s: %w", req.RemoteAddr(), err)
 	}
+	l.features = features
 	l.start()
 	return l, nil
 }
+
+// localHello is what this side offers, for Negotiate.
+var localHello = protocol.Hello{MinVersion: protocol.Version, MaxVersion: protocol.Version, Features: protocol.FeatureMask}
+
+// Features are the optional protocol features both sides offered in their
+// Hellos (see protocol.FeatureMask): a side uses a feature only if it is
+// here. A link made with New has none.
+func (l *Link) Features() uint32 { return l.features }
 
 func trimText(s string, n int) string {
 	if len(s) > n {

@@ -119,3 +119,30 @@ func TestAcceptPostsReceivesFirst(t *testing.T) {
 		t.Errorf("grant %+v", g)
 	}
 }
+
+// oldDialer dials with a hello of before the optional features: its
+// Features field zeroed, as an older peer sends it.
+type oldDialer struct{ transport.Provider }
+
+func (p oldDialer) Dial(ctx context.Context, addr string, pd []byte) (transport.Conn, error) {
+	pd = append([]byte(nil), pd...)
+	clear(pd[protocol.HeaderSize+4 : protocol.HeaderSize+8])
+	return p.Provider.Dial(ctx, addr, pd)
+}
+
+// TestHelloFeatures: both ends offer the features this package knows and
+// a link keeps those both offered; a peer that offers none gets none
+// (an initiator then sends Open without its instance).
+func TestHelloFeatures(t *testing.T) {
+	pr := newPair(t, 8, 0)
+	if f := pr.client.Features(); f != protocol.FeatureMask || f&protocol.FeatureOpenInstance == 0 {
+		t.Errorf("dialing side: features %#x, want %#x", f, protocol.FeatureMask)
+	}
+	if f := pr.server.Features(); f != protocol.FeatureMask {
+		t.Errorf("accepting side: features %#x, want %#x", f, protocol.FeatureMask)
+	}
+	old := newPairWith(t, pairConfig{recvBuffers: 8, provider: oldDialer{tcp.New("tcp")}})
+	if f := old.server.Features(); f != 0 {
+		t.Errorf("accepting side, older peer: features %#x, want none", f)
+	}
+}

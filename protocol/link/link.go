@@ -136,9 +136,10 @@ type waiter struct {
 
 // Link is one connection of the rblk control protocol.
 type Link struct {
-	conn transport.Conn
-	opts Options
-	log  *zap.Logger
+	conn     transport.Conn
+	opts     Options
+	log      *zap.Logger
+	features uint32 // negotiated in the hellos; set before start
 
 	mem        *transport.Memory
 	recvRegion transport.Region

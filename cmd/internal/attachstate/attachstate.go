@@ -58,6 +58,12 @@ type Entry struct {
 	Queues   int    `json:"queues"`
 	ReadOnly bool   `json:"read_only"`
 	Size     uint64 `json:"size"`
+	// HostID is the host ID the attach opened the export as; Instance
+	// its attach instance, 16 hex digits (see initiator.Options.Instance):
+	// the same for all its reconnects, another for each attach. Empty in
+	// files of an older rblk-attach.
+	HostID   string `json:"host_id,omitempty"`
+	Instance string `json:"instance,omitempty"`
 
 	// StartTicks is the process's start time in clock ticks since boot
 	// (/proc/PID/stat), which tells a live process from a reused pid.

@@ -11,7 +11,8 @@ import (
 
 func TestRecordLifecycle(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "attach")
-	r, err := Create(dir, Entry{Export: "vol0", Target: "127.0.0.1:7480", Transport: "tcp", State: Connecting, Queues: 2})
+	r, err := Create(dir, Entry{Export: "vol0", Target: "127.0.0.1:7480", Transport: "tcp", State: Connecting, Queues: 2,
+		HostID: "host-1", Instance: "00c0ffee00c0ffee"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +31,8 @@ func TestRecordLifecycle(t *testing.T) {
 		t.Fatalf("List: %d entries, want 1: %+v", len(got), got)
 	}
 	e := got[0]
-	if e.PID != os.Getpid() || e.State != Up || e.Export != "vol0" || e.Socket != "unix:/run/x.sock" || e.Queues != 2 || e.Since.Before(since) {
+	if e.PID != os.Getpid() || e.State != Up || e.Export != "vol0" || e.Socket != "unix:/run/x.sock" || e.Queues != 2 || e.Since.Before(since) ||
+		e.HostID != "host-1" || e.Instance != "00c0ffee00c0ffee" {
 		t.Errorf("List: %+v", e)
 	}
 	// The file is JSON with snake_case keys.
@@ -42,7 +44,7 @@ func TestRecordLifecycle(t *testing.T) {
 	if err := json.Unmarshal(b, &m); err != nil {
 		t.Fatalf("status file: %v\n%s", err, b)
 	}
-	for _, k := range []string{"pid", "socket", "export", "target", "transport", "state", "reconnects", "since", "queues"} {
+	for _, k := range []string{"pid", "socket", "export", "target", "transport", "state", "reconnects", "since", "queues", "host_id", "instance"} {
 		if _, ok := m[k]; !ok {
 			t.Errorf("status file has no %q: %s", k, b)
 		}
