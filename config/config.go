@@ -14,6 +14,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/target"
 )
 
@@ -133,9 +134,14 @@ func (c *Config) ExportConfigs() []target.ExportConfig {
 	return out
 }
 
-// Load reads and parses the file at path.
+// MaxFileSize bounds the size of a configuration file.
+const MaxFileSize = 16 << 20
+
+// Load reads and parses the file at path. A path that is not a regular
+// file (a FIFO, a socket, a device, a directory) is refused at once, never
+// waited on (see package safeopen).
 func Load(path string) (*Config, error) {
-	b, err := os.ReadFile(path)
+	b, _, err := safeopen.ReadFile(path, MaxFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("read config: %w", err)
 	}
