@@ -151,8 +151,8 @@ type volume struct {
 	// fileID is the backing file's identity: one file is one export,
 	// whatever names reach it.
 	fileID FileID
-	growMu   sync.Mutex  // serializes Grow
-	m        *volMetrics // this export's series (Metrics.forExport)
+	growMu sync.Mutex  // serializes Grow
+	m      *volMetrics // this export's series (Metrics.forExport)
 
 	// cached counts the cache slots holding chunks of the volume (a slot
 	// leaked by a failed deregistration stays counted, as in
