@@ -167,6 +167,20 @@ func TestSameFileExport(t *testing.T) {
 	if name, ok := e.tg.SameFile(st[0].File); !ok || name != "a" {
 		t.Errorf("SameFile of a's file: %q %v", name, ok)
 	}
+	// a's path may change live to another name of its file, not to
+	// another file.
+	cfg := st[0].Config
+	cfg.Path = others["d/../"]
+	if err := e.tg.UpdateExport(ctx, cfg); err != nil {
+		t.Errorf("UpdateExport to another name of the file: %v", err)
+	}
+	if st := e.tg.Exports(); st[0].Config.Path != others["d/../"] {
+		t.Errorf("path after the update: %s", st[0].Config.Path)
+	}
+	cfg.Path = e.path
+	if err := e.tg.UpdateExport(ctx, cfg); !errors.Is(err, target.ErrNotLive) {
+		t.Errorf("UpdateExport to another file: %v, want ErrNotLive", err)
+	}
 	if err := e.tg.RemoveExport(ctx, "a"); err != nil {
 		t.Fatal(err)
 	}

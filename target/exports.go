@@ -59,18 +59,21 @@ func newAdminLock() adminLock {
 }
 
 // lockAdmin takes the admin lock for an operation of ctx, and returns the
-// context it runs with: ctx, ended also by Close. It fails, without the
-// lock, when ctx ends or the target closes first.
+// context it runs with: ctx, ended also by Close, and the function that
+// releases the lock. Waiting for the lock ends, without it, when ctx ends
+// or the target closes. (A free lock is taken even if ctx has ended: an
+// operation that must not start then checks ctx itself.)
 func (t *Target) lockAdmin(ctx context.Context) (context.Context, context.CancelFunc, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, nil, err
-	}
 	select {
 	case t.admin.sem <- struct{}{}:
-	case <-ctx.Done():
-		return nil, nil, ctx.Err()
-	case <-t.admin.ctx.Done():
-		return nil, nil, ErrClosed
+	default:
+		select {
+		case t.admin.sem <- struct{}{}:
+		case <-ctx.Done():
+			return nil, nil, ctx.Err()
+		case <-t.admin.ctx.Done():
+			return nil, nil, ErrClosed
+		}
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(t.admin.ctx, cancel)
@@ -303,7 +306,7 @@ func (t *Target) AddPrepared(ctx context.Context, p *PreparedExport) error {
 	if o := t.sameFileLocked(v.fileID); o != nil {
 		t.volMu.Unlock()
 		p.Discard()
-		return fmt.Errorf("add export %q: %w", e.Name, sameFileError(v.path, o.name, o.path))
+		return fmt.Errorf("add export %q: %w", e.Name, sameFileError(v.path, o.name, o.cfg.Path))
 	}
 	t.nextVol++
 	v.id = t.nextVol
@@ -341,6 +344,12 @@ func (t *Target) sameFileLocked(id FileID) *volume {
 		}
 	}
 	return nil
+}
+
+// sameFileAt reports whether path names the file id now.
+func sameFileAt(path string, id FileID) bool {
+	st, err := os.Stat(path)
+	return err == nil && safeopen.IDOf(st) == id
 }
 
 // sameFileError says that path is the file export name (at its path)
@@ -391,6 +400,9 @@ func (t *Target) RemoveExport(ctx context.Context, name string) error {
 		return fmt.Errorf("remove export %q: %w", name, err)
 	}
 	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("remove export %q: %w", name, err)
+	}
 	t.mu.Lock()
 	closed := t.closed
 	t.mu.Unlock()
@@ -476,8 +488,9 @@ func (t *Target) endSessions(ctx context.Context, v *volume, keep func(host stri
 //     smaller is refused with ErrShrink; zero or the volume's size
 //     leaves it.
 //
-// Path and ReadOnly cannot change live: ErrNotLive names the field
-// (remove the export and add it again).
+// Path can change only to another name of the export's file (a symbolic
+// link, "d/../"); another file, or ReadOnly, cannot change live:
+// ErrNotLive names the field (remove the export and add it again).
 func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	if err := checkExport(e); err != nil {
 		return fmt.Errorf("update export %q: %w", e.Name, err)
@@ -487,6 +500,9 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		return fmt.Errorf("update export %q: %w", e.Name, err)
 	}
 	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("update export %q: %w", e.Name, err)
+	}
 	t.volMu.RLock()
 	v := t.volumes[e.Name]
 	var old ExportConfig
@@ -498,7 +514,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		return fmt.Errorf("update export %q: %w", e.Name, ErrNoExport)
 	}
 	switch {
-	case e.Path != old.Path:
+	case e.Path != old.Path && !sameFileAt(e.Path, v.fileID):
 		return fmt.Errorf("update export %q: path %s -> %s: %w (remove the export and add it again)", e.Name, old.Path, e.Path, ErrNotLive)
 	case e.ReadOnly != old.ReadOnly:
 		return fmt.Errorf("update export %q: read_only %v -> %v: %w (remove the export and add it again)", e.Name, old.ReadOnly, e.ReadOnly, ErrNotLive)
@@ -513,6 +529,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	}
 	allowChanged := !slices.Equal(old.Allow, e.Allow)
 	t.volMu.Lock()
+	v.cfg.Path, v.path = e.Path, e.Path // another name of the same file, if it changed
 	v.cfg.Allow = slices.Clone(e.Allow)
 	v.cfg.Shared = e.Shared
 	if !grow {
@@ -523,6 +540,10 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		allowed := ExportConfig{Allow: e.Allow}
 		n := t.endSessions(ctx, v, allowed.allows, fmt.Sprintf("host no longer allowed on export %q", e.Name))
 		t.log.Info("export's allow list changed", zap.String("name", e.Name), zap.Strings("allow", e.Allow), zap.Int("sessions_drained", n))
+	}
+	if old.Path != e.Path {
+		t.log.Info("export's path changed: another name of the same file", zap.String("name", e.Name),
+			zap.String("old_path", old.Path), zap.String("path", e.Path))
 	}
 	if old.Shared != e.Shared {
 		t.log.Info("export's sharing changed", zap.String("name", e.Name), zap.Bool("shared", e.Shared))

@@ -55,6 +55,9 @@ func (t *Target) Grow(ctx context.Context, name string, size int64) error {
 		return fmt.Errorf("grow export %q: %w", name, err)
 	}
 	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("grow export %q: %w", name, err)
+	}
 	return t.grow(ctx, name, size)
 }
 

@@ -197,7 +197,7 @@ func New(opts Options) (*Target, error) {
 		if o := t.sameFileLocked(v.fileID); o != nil {
 			v.file.Close()
 			t.closeVolumes()
-			return nil, fmt.Errorf("export %q: %w", e.Name, sameFileError(e.Path, o.name, o.path))
+			return nil, fmt.Errorf("export %q: %w", e.Name, sameFileError(e.Path, o.name, o.cfg.Path))
 		}
 		t.nextVol = uint32(i + 1)
 		v.id = t.nextVol
