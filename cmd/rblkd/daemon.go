@@ -187,6 +187,9 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 	default:
 		return fail(fmt.Errorf("unknown command %q: want list, add, remove, grow or reload", req.Command))
 	}
+	if req.Command == admin.CmdAdd {
+		return d.add(ctx, req) // (it opens the file before it waits for the lock)
+	}
 	if err := d.lock(ctx); err != nil {
 		return fail(err)
 	}
@@ -198,8 +201,6 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 			return admin.Response{Error: reloadStatus(msg, err), Message: msg}
 		}
 		return admin.Response{OK: true, Message: msg}
-	case admin.CmdAdd:
-		return d.add(ctx, req)
 	case admin.CmdRemove:
 		return d.remove(ctx, req)
 	default:
@@ -212,14 +213,30 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 // before it changes anything; then it makes the change, and last puts the
 // staged file in place (a rename). A refusal changes nothing.
 
-// add serves a new export.
+// add serves a new export. Its file is opened first, before it waits for
+// the lock: a file that is not one to export (a FIFO, a socket, a device,
+// a mistyped path) is refused at once, even while another command (a
+// removal draining its sessions) holds the lock.
 func (d *daemon) add(ctx context.Context, req admin.Request) admin.Response {
 	if req.Export == nil {
 		return fail(errors.New("add: no export given"))
 	}
 	x := req.Export
 	e := target.ExportConfig{Name: x.Name, Path: x.Path, Size: x.Size, ReadOnly: x.ReadOnly, Shared: x.Shared, Allow: x.Allow}
-	if d.status(e.Name) != nil {
+	exists := func() bool { return d.status(e.Name) != nil }
+	if exists() { // (checked again under the lock; this one spares creating a file)
+		return fail(fmt.Errorf("add export %q: %w", e.Name, target.ErrExportExists))
+	}
+	p, err := d.t.PrepareExport(ctx, e)
+	if err != nil {
+		return fail(fmt.Errorf("add export: %w", err))
+	}
+	defer p.Discard() // (nothing once added)
+	if err := d.lock(ctx); err != nil {
+		return fail(fmt.Errorf("add export %q: %w", e.Name, err))
+	}
+	defer d.unlock()
+	if exists() {
 		return fail(fmt.Errorf("add export %q: %w", e.Name, target.ErrExportExists))
 	}
 	staged, err := d.stage(req, func(c *config.Config) error {
@@ -228,11 +245,6 @@ func (d *daemon) add(ctx context.Context, req admin.Request) admin.Response {
 	})
 	if err != nil {
 		return fail(err)
-	}
-	p, err := d.t.PrepareExport(ctx, e)
-	if err != nil {
-		staged.Abort()
-		return fail(fmt.Errorf("add export: %w", err))
 	}
 	if err := d.t.AddPrepared(ctx, p); err != nil {
 		staged.Abort()
