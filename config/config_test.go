@@ -36,8 +36,8 @@ func TestExampleFile(t *testing.T) {
 	if len(got) != len(config.Keys) {
 		t.Errorf("the example sets %d settings, there are %d: document them all", len(got), len(config.Keys))
 	}
-	if s, _ := c.Setting("cache_size"); s.Line != 20 {
-		t.Errorf("cache_size on line %d, want 20", s.Line)
+	if s, _ := c.Setting("cache_size"); s.Line != 25 {
+		t.Errorf("cache_size on line %d, want 25", s.Line)
 	}
 	wantExports := []target.ExportConfig{
 		{Name: "vol0", Path: "/srv/rblk/vol0.img", Size: 100 << 30},

@@ -366,7 +366,9 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 // initiator that it is shutting down (an Error message with tag 0 and
 // CodeShutdown), gives them DrainTimeout to finish their IO, flush and
 // disconnect, then ends the sessions left, writes every dirty chunk back,
-// syncs and closes the backing files. Safe to call twice.
+// syncs and closes the backing files. An export operation in progress (a
+// RemoveExport draining its sessions) is cut short first, and those
+// waiting to start fail with ErrClosed. Safe to call twice.
 func (t *Target) Close() error {
 	t.closeOnce.Do(func() {
 		// An export being added, removed, updated or grown is finished
