@@ -75,6 +75,10 @@ func (t *Target) lockAdmin(ctx context.Context) (context.Context, context.Cancel
 			return nil, nil, ErrClosed
 		}
 	}
+	if t.admin.ctx.Err() != nil { // Close is waiting for the lock
+		<-t.admin.sem
+		return nil, nil, ErrClosed
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(t.admin.ctx, cancel)
 	return ctx, func() {
