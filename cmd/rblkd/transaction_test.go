@@ -458,3 +458,45 @@ func TestAdminTransactions(t *testing.T) {
 		t.Errorf("saved exports %+v, want n of 2M", ex)
 	}
 }
+
+// TestAdminWaitYields: an admin command or reload waiting behind another
+// (one that holds the daemon's lock, as a removal draining its sessions
+// does) gives up when its context ends (SIGTERM, the client's timeout),
+// changing nothing; an add of a FIFO is refused at once meanwhile, without
+// waiting for the lock.
+func TestAdminWaitYields(t *testing.T) {
+	e := startTx(t, func(e *txEnv) string {
+		return "exports:\n  - {name: a, path: " + e.img("a") + ", size: 1M}\n"
+	})
+	if err := e.d.lock(context.Background()); err != nil { // the command in progress
+		t.Fatal(err)
+	}
+	defer e.d.unlock()
+	fifo := filepath.Join(e.dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := e.d.handle(ctx, admin.Request{Command: admin.CmdAdd, Export: &admin.Export{Name: "f", Path: fifo}})
+	if r.OK || !strings.Contains(r.Error, fifo+" is a FIFO") {
+		t.Errorf("add of a FIFO while the lock is held: %+v", r)
+	}
+	results := make(chan admin.Response, 3)
+	for _, req := range []admin.Request{{Command: admin.CmdRemove, Name: "a"}, {Command: admin.CmdReload},
+		{Command: admin.CmdAdd, Export: &admin.Export{Name: "n", Path: e.img("n"), Size: 1 << 20}}} {
+		go func() { results <- e.d.handle(ctx, req) }()
+	}
+	cancel()
+	for range 3 {
+		// (an add may see the end before it opens its file)
+		if r := <-results; r.OK || !strings.Contains(r.Error, "context canceled") {
+			t.Errorf("a command waiting when its context ended: %+v", r)
+		}
+	}
+	if got := e.exports(); len(got) != 1 || got["a"] == "" {
+		t.Errorf("exports %v, want a alone", got)
+	}
+	if _, err := os.Stat(e.img("n")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("an add that gave up left its file: %v", err)
+	}
+}
