@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -297,5 +298,44 @@ func TestCloseDuringRemove(t *testing.T) {
 	}
 	if got := readFile(t, otherPath)[4096:][:len(removed)]; !bytes.Equal(got, removed) {
 		t.Errorf("the removed export's file holds %q, want %q", got, removed)
+	}
+}
+
+// TestSameBlockDevice: a block device is one export whatever node names
+// it: a second node of the same device (mknod elsewhere) is refused,
+// naming the first. Needs root and a loop device (skipped without).
+func TestSameBlockDevice(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "loop.img")
+	if err := os.WriteFile(img, make([]byte, 4<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "-f", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Skipf("no loop device (needs root and losetup): %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	var st syscall.Stat_t
+	if err := syscall.Stat(dev, &st); err != nil {
+		t.Fatal(err)
+	}
+	node := filepath.Join(t.TempDir(), "second-node")
+	if err := syscall.Mknod(node, syscall.S_IFBLK|0o600, int(st.Rdev)); err != nil {
+		t.Skipf("mknod: %v", err)
+	}
+	_, err = target.New(target.Options{Exports: []target.ExportConfig{{Name: "a", Path: dev, ReadOnly: true}, {Name: "b", Path: node, ReadOnly: true}}})
+	if want := `export "b": ` + node + ` is the same file as export "a" (` + dev + `)`; !errors.Is(err, target.ErrSameFile) || err.Error() != want {
+		t.Errorf("New with two nodes of one block device: %v, want %q", err, want)
+	}
+	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "a", Path: dev, ReadOnly: true}}, CacheSize: 1 << 20, ChunkSize: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	if st := tg.Exports(); len(st) != 1 || !st[0].BlockDevice || st[0].Size != 4<<20 {
+		t.Errorf("export of a loop device: %+v", st)
+	}
+	if err := tg.AddExport(context.Background(), target.ExportConfig{Name: "b", Path: node, ReadOnly: true}); !errors.Is(err, target.ErrSameFile) {
+		t.Errorf("AddExport of a second node: %v, want ErrSameFile", err)
 	}
 }
