@@ -10,10 +10,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
-	"os"
 	"strings"
 
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 )
@@ -212,26 +211,17 @@ func checkSecret(s []byte) error {
 	return nil
 }
 
-// readPrivate reads a file that only its owner may read.
+// readPrivate reads a file that only its owner may read. Anything but a
+// regular file (a FIFO, a socket, a device) is refused at once, never
+// waited on (see package safeopen).
 func readPrivate(path, what string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", what, err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
+	b, fi, err := safeopen.ReadFile(path, 1<<20)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
+		clear(b)
 		return nil, fmt.Errorf("%s %s has mode %#o, %w: run chmod 600 %s", what, path, perm, ErrInsecureFile, path)
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s %s is not a regular file", what, path)
-	}
-	b, err := io.ReadAll(io.LimitReader(f, 1<<20))
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", what, err)
 	}
 	return b, nil
 }

@@ -5,9 +5,11 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -209,5 +211,39 @@ func TestInitiateRefusesRogueTargets(t *testing.T) {
 				t.Fatal("the error shows the secret")
 			}
 		})
+	}
+}
+
+// TestFilesNotRegular: an auth file or a secret file that is a FIFO (read
+// as it was, it would block for ever, waiting for a writer), a socket or a
+// directory is refused at once, naming the path and what it is.
+func TestFilesNotRegular(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	for path, kind := range map[string]string{fifo: "a FIFO", sock: "a socket", dir: "a directory"} {
+		for what, read := range map[string]func(string) error{
+			"auth file":   func(p string) error { _, err := auth.LoadKeys(p); return err },
+			"secret file": func(p string) error { _, err := auth.ReadSecret(p); return err },
+		} {
+			done := make(chan error, 1)
+			go func() { done <- read(path) }()
+			select {
+			case err := <-done:
+				if want := what + ": " + path + " is " + kind + ": want a regular file"; err == nil || err.Error() != want {
+					t.Errorf("%s that is %s: %v, want %q", what, kind, err, want)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s that is %s: blocked", what, kind)
+			}
+		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/target"
 )
 
@@ -133,9 +134,14 @@ func (c *Config) ExportConfigs() []target.ExportConfig {
 	return out
 }
 
-// Load reads and parses the file at path.
+// MaxFileSize bounds the size of a configuration file.
+const MaxFileSize = 16 << 20
+
+// Load reads and parses the file at path. A path that is not a regular
+// file (a FIFO, a socket, a device, a directory) is refused at once, never
+// waited on (see package safeopen).
 func Load(path string) (*Config, error) {
-	b, err := os.ReadFile(path)
+	b, _, err := safeopen.ReadFile(path, MaxFileSize)
 	if err != nil {
 		return nil, fmt.Errorf("read config: %w", err)
 	}
@@ -508,24 +514,44 @@ func (c *Config) Marshal() ([]byte, error) {
 	return b.Bytes(), nil
 }
 
-// Save writes the file back atomically: a temporary file beside it,
-// fsynced, renamed over it, and the directory fsynced. The file keeps its
-// mode.
+// Save writes the file back atomically: Stage, then Commit.
 func (c *Config) Save() error {
-	b, err := c.Marshal()
+	st, err := c.Stage()
 	if err != nil {
 		return err
 	}
+	return st.Commit()
+}
+
+// Staged is the file's new content written beside it and synced, not yet
+// in place: a caller stages the file before it makes the change the file
+// records, then commits (or aborts) once the change is made (or refused).
+type Staged struct {
+	path, tmp string // the file (symbolic links resolved) and the temporary one
+	done      bool
+}
+
+// Stage writes the content with the changes made to a temporary file
+// beside the file (of the file's mode) and syncs it. If the file is a
+// symbolic link, the file it points to is the one written: the link
+// stays.
+func (c *Config) Stage() (*Staged, error) {
+	b, err := c.Marshal()
+	if err != nil {
+		return nil, err
+	}
+	path := c.Path
+	if p, err := filepath.EvalSymlinks(c.Path); err == nil {
+		path = p
+	}
 	mode := os.FileMode(0o644)
-	if st, err := os.Stat(c.Path); err == nil {
+	if st, err := os.Stat(path); err == nil {
 		mode = st.Mode().Perm()
 	}
-	dir := filepath.Dir(c.Path)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(c.Path)+".tmp*")
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp*")
 	if err != nil {
-		return fmt.Errorf("save %s: %w", c.Path, err)
+		return nil, fmt.Errorf("save %s: %w", c.Path, err)
 	}
-	defer os.Remove(tmp.Name()) // after the rename: nothing there
 	_, err = tmp.Write(b)
 	if err == nil {
 		err = tmp.Chmod(mode)
@@ -536,15 +562,36 @@ func (c *Config) Save() error {
 	if cerr := tmp.Close(); err == nil {
 		err = cerr
 	}
-	if err == nil {
-		err = os.Rename(tmp.Name(), c.Path)
-	}
 	if err != nil {
-		return fmt.Errorf("save %s: %w", c.Path, err)
+		os.Remove(tmp.Name())
+		return nil, fmt.Errorf("save %s: %w", c.Path, err)
 	}
-	if d, err := os.Open(dir); err == nil {
+	return &Staged{path: path, tmp: tmp.Name()}, nil
+}
+
+// Commit renames the staged file over the file and syncs the directory.
+func (s *Staged) Commit() error {
+	if s.done {
+		return errors.New("save: committed or aborted already")
+	}
+	s.done = true
+	if err := os.Rename(s.tmp, s.path); err != nil {
+		os.Remove(s.tmp)
+		return fmt.Errorf("save %s: %w", s.path, err)
+	}
+	if d, err := os.Open(filepath.Dir(s.path)); err == nil {
 		d.Sync()
 		d.Close()
 	}
 	return nil
+}
+
+// Abort removes the staged file; the file is left as it was. Safe after
+// Commit (then it does nothing).
+func (s *Staged) Abort() {
+	if s == nil || s.done {
+		return
+	}
+	s.done = true
+	os.Remove(s.tmp)
 }

@@ -2,11 +2,14 @@ package config_test
 
 import (
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/rblk/rblk/config"
 	"github.com/rblk/rblk/target"
@@ -33,8 +36,8 @@ func TestExampleFile(t *testing.T) {
 	if len(got) != len(config.Keys) {
 		t.Errorf("the example sets %d settings, there are %d: document them all", len(got), len(config.Keys))
 	}
-	if s, _ := c.Setting("cache_size"); s.Line != 20 {
-		t.Errorf("cache_size on line %d, want 20", s.Line)
+	if s, _ := c.Setting("cache_size"); s.Line != 25 {
+		t.Errorf("cache_size on line %d, want 25", s.Line)
 	}
 	wantExports := []target.ExportConfig{
 		{Name: "vol0", Path: "/srv/rblk/vol0.img", Size: 100 << 30},
@@ -160,5 +163,93 @@ func TestFormatSize(t *testing.T) {
 		if got := config.FormatSize(n); got != want {
 			t.Errorf("FormatSize(%d) = %q, want %q", n, got, want)
 		}
+	}
+}
+
+// TestLoadNotAFile: a configuration path that is a FIFO, a socket or a
+// directory is refused at once (a FIFO without a writer would block
+// os.ReadFile for ever), naming the path and what it is.
+func TestLoadNotAFile(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "rblkd.yaml")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "sock.yaml")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	for path, kind := range map[string]string{fifo: "a FIFO", sock: "a socket", dir: "a directory"} {
+		done := make(chan error, 1)
+		go func() {
+			_, err := config.Load(path)
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if want := path + " is " + kind + ": want a regular file"; err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("Load of %s: %v, want an error saying %q", kind, err, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("Load of %s blocked", kind)
+		}
+	}
+}
+
+// TestStage: a staged save leaves the file as it was until Commit; Abort
+// leaves no temporary file; a file reached through a symbolic link is
+// written where the link points, and the link stays.
+func TestStage(t *testing.T) {
+	dir := t.TempDir()
+	real := filepath.Join(dir, "real.yaml")
+	orig := "# kept\nexports:\n  - name: a\n    path: /a\n"
+	if err := os.WriteFile(real, []byte(orig), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "rblkd.yaml")
+	if err := os.Symlink(real, link); err != nil {
+		t.Fatal(err)
+	}
+	c, err := config.Load(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.AddExport(target.ExportConfig{Name: "b", Path: "/b"})
+	st, err := c.Stage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(real); string(b) != orig {
+		t.Fatalf("staging changed the file:\n%s", b)
+	}
+	st.Abort()
+	st.Abort()
+	if entries, _ := os.ReadDir(dir); len(entries) != 2 {
+		t.Fatalf("after Abort the folder holds %d entries, want the file and the link", len(entries))
+	}
+	if err := st.Commit(); err == nil {
+		t.Error("Commit after Abort succeeded")
+	}
+	st, err = c.Stage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Lstat(link); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		t.Errorf("the link was replaced: %v, %v", fi, err)
+	}
+	b, _ := os.ReadFile(real)
+	if !strings.Contains(string(b), "# kept") || !strings.Contains(string(b), "name: b") {
+		t.Errorf("committed file:\n%s", b)
+	}
+	if fi, _ := os.Stat(real); fi.Mode().Perm() != 0o640 {
+		t.Errorf("mode %v, want 0640 kept", fi.Mode().Perm())
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 2 {
+		t.Errorf("after Commit the folder holds %d entries", len(entries))
 	}
 }

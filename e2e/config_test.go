@@ -115,7 +115,7 @@ func TestReloadUnderIO(t *testing.T) {
 		t.Errorf("a's attach reconnected %v times across the reload, want 0", v)
 	}
 	out := tg.out.String()
-	for _, want := range []string{`export removed	{"name": "c"`, `"sessions_drained": 1`, `export added	{"name": "b"`, `"changes": "removed c, added b"`} {
+	for _, want := range []string{`export removed	{"name": "c"`, `"sessions_drained": 1`, `export added	{"name": "b"`, `"changes": "added b, removed c"`} {
 		if !strings.Contains(out, want) {
 			t.Errorf("rblkd's log lacks %q", want)
 		}

@@ -56,11 +56,19 @@
 //     must be large enough already), make the new size the one every check
 //     uses, revoke a short last chunk so that it is granted again whole,
 //     then tell every connection with the volume open (a Resize notice);
-//   - change exports while serving (exports.go): AddExport, RemoveExport
-//     (drains the export's sessions as Close drains them all, writes its
-//     chunks back, syncs and closes its file), UpdateExport (allow, shared,
-//     a larger size), Exports; the sessions of other exports are never
-//     touched.
+//   - change exports while serving (exports.go): AddExport (or
+//     PrepareExport, which opens and checks the file without changing
+//     anything, then AddPrepared), RemoveExport (drains the export's
+//     sessions as Close drains them all, writes its chunks back, syncs and
+//     closes its file), UpdateExport (allow, shared, a larger size, another
+//     name of the same file), Exports; the sessions of other exports are
+//     never touched. These run one at a time and yield to Close, which
+//     ends the waits of the one in progress (a drain) at once;
+//   - open backing files without ever blocking (package safeopen): a FIFO,
+//     a socket, a character device or a directory is refused at once;
+//     each file is one export, told by its device and inode (a block
+//     device by its device number), whatever name reaches it: a second
+//     export of it is refused with ErrSameFile, naming the first.
 //
 // # Usage
 //

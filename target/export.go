@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/rblk/rblk/internal/safeopen"
 )
 
 // ExportConfig describes one exported volume.
@@ -146,8 +148,11 @@ type volume struct {
 	f        Store         // file, or what Options.WrapStore put in front of it
 	size     atomic.Uint64 // bytes; grows online (Target.Grow), never shrinks
 	blockDev bool
-	growMu   sync.Mutex  // serializes Grow
-	m        *volMetrics // this export's series (Metrics.forExport)
+	// fileID is the backing file's identity: one file is one export,
+	// whatever names reach it.
+	fileID FileID
+	growMu sync.Mutex  // serializes Grow
+	m      *volMetrics // this export's series (Metrics.forExport)
 
 	// cached counts the cache slots holding chunks of the volume (a slot
 	// leaked by a failed deregistration stays counted, as in
@@ -184,52 +189,60 @@ type volume struct {
 	loopDone chan struct{}
 }
 
-func openVolume(id uint32, e ExportConfig) (*volume, error) {
+// openVolume opens e's backing file (creating a sparse file of e.Size
+// where e asks for one and the path does not exist: created) and checks
+// it: a regular file or a block device, not empty. The open never blocks:
+// a FIFO, a socket, a character device or a directory is refused at once
+// (see package safeopen). The volume is not served yet (no id, no store
+// wrapper, no metrics).
+func openVolume(e ExportConfig) (v *volume, created bool, err error) {
 	flags := os.O_RDWR
 	if e.ReadOnly {
 		flags = os.O_RDONLY
 	}
-	f, err := os.OpenFile(e.Path, flags, 0)
+	const kinds = safeopen.Regular | safeopen.BlockDevice
+	f, st, err := safeopen.Open(e.Path, flags, 0, kinds)
 	if errors.Is(err, os.ErrNotExist) && e.Size > 0 && !e.ReadOnly {
-		f, err = os.OpenFile(e.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		f, st, err = safeopen.Open(e.Path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600, kinds)
 		if err == nil {
+			created = true
 			if terr := f.Truncate(e.Size); terr != nil {
 				f.Close()
 				os.Remove(e.Path)
-				return nil, fmt.Errorf("export %q: create sparse file %s: %w", e.Name, e.Path, terr)
+				return nil, false, fmt.Errorf("export %q: create sparse file %s: %w", e.Name, e.Path, terr)
 			}
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("export %q: %w", e.Name, err) // err names the path
+		return nil, false, fmt.Errorf("export %q: %w", e.Name, err) // err names the path
 	}
-	st, err := f.Stat()
-	if err != nil {
+	v = &volume{cfg: e, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
+		fileID: safeopen.IDOf(st), wbSignal: make(chan struct{}, 1)}
+	fail := func(err error) (*volume, bool, error) {
 		f.Close()
-		return nil, fmt.Errorf("export %q: stat %s: %w", e.Name, e.Path, err)
+		if created {
+			os.Remove(e.Path)
+		}
+		return nil, false, err
 	}
-	v := &volume{cfg: e, id: id, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
-		wbSignal: make(chan struct{}, 1)}
-	switch mode := st.Mode(); {
-	case mode.IsRegular():
-		v.size.Store(uint64(st.Size()))
-	case mode&os.ModeDevice != 0 && mode&os.ModeCharDevice == 0:
+	if st.Mode().IsRegular() {
+		size := st.Size()
+		if created {
+			size = e.Size
+		}
+		v.size.Store(uint64(size))
+	} else { // a block device (safeopen refused every other kind)
 		end, err := f.Seek(0, io.SeekEnd)
 		if err != nil {
-			f.Close()
-			return nil, fmt.Errorf("export %q: size of %s: %w", e.Name, e.Path, err)
+			return fail(fmt.Errorf("export %q: size of %s: %w", e.Name, e.Path, err))
 		}
 		v.size.Store(uint64(end))
 		v.blockDev = true
-	default:
-		f.Close()
-		return nil, fmt.Errorf("export %q: %s is neither a regular file nor a block device", e.Name, e.Path)
 	}
 	if v.size.Load() == 0 {
-		f.Close()
-		return nil, fmt.Errorf("export %q: %s is empty (give size=BYTES to create it)", e.Name, e.Path)
+		return fail(fmt.Errorf("export %q: %s is empty (give size=BYTES to create it)", e.Name, e.Path))
 	}
-	return v, nil
+	return v, created, nil
 }
 
 // markDirty queues ch for write-back, unless it is queued already. The

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/protocol"
 )
 
@@ -28,7 +30,63 @@ var (
 	ErrNotLive = errors.New("cannot change while served")
 	// ErrClosed: the target is closed.
 	ErrClosed = errors.New("target closed")
+	// ErrSameFile: an export of a file that another export serves already
+	// (under another name or path: a symbolic or hard link, a bind mount,
+	// "d/../", a second node of a block device). Its text reads in
+	// context: "/srv/b.img is the same file as export "a" (/srv/a.img)".
+	ErrSameFile = errors.New("the same file as export")
 )
+
+// FileID is a backing file's identity: its device and inode (a block
+// device: its device number). Two exports never have one FileID.
+type FileID = safeopen.ID
+
+// adminLock serializes the operations that change exports (AddExport,
+// AddPrepared, RemoveExport, UpdateExport, Grow) with each other and with
+// Close. Unlike a mutex, waiting for it ends with the caller's context,
+// and Close cancels ctx, which every such operation's waits (a drain, a
+// revoke) also end with: an operation in progress yields to a shutdown,
+// and those waiting behind it give up.
+type adminLock struct {
+	sem    chan struct{}
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+func newAdminLock() adminLock {
+	ctx, cancel := context.WithCancel(context.Background())
+	return adminLock{sem: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
+}
+
+// lockAdmin takes the admin lock for an operation of ctx, and returns the
+// context it runs with: ctx, ended also by Close, and the function that
+// releases the lock. Waiting for the lock ends, without it, when ctx ends
+// or the target closes. (A free lock is taken even if ctx has ended: an
+// operation that must not start then checks ctx itself.)
+func (t *Target) lockAdmin(ctx context.Context) (context.Context, context.CancelFunc, error) {
+	select {
+	case t.admin.sem <- struct{}{}:
+	default:
+		select {
+		case t.admin.sem <- struct{}{}:
+		case <-ctx.Done():
+			return nil, nil, ctx.Err()
+		case <-t.admin.ctx.Done():
+			return nil, nil, ErrClosed
+		}
+	}
+	if t.admin.ctx.Err() != nil { // Close is waiting for the lock
+		<-t.admin.sem
+		return nil, nil, ErrClosed
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(t.admin.ctx, cancel)
+	return ctx, func() {
+		stop()
+		cancel()
+		<-t.admin.sem
+	}, nil
+}
 
 // ExportStatus is one export as Exports reports it.
 type ExportStatus struct {
@@ -43,6 +101,11 @@ type ExportStatus struct {
 	Sessions int
 	// Writers counts those of them that have it open read-write.
 	Writers int
+	// File is the identity of its backing file.
+	File FileID
+	// Removing: RemoveExport is draining it (it is no longer opened by
+	// name, and its file still counts as served).
+	Removing bool
 }
 
 // startVolume starts v's write-back loop.
@@ -88,7 +151,7 @@ func (t *Target) Exports() []ExportStatus {
 		cfg := v.cfg
 		cfg.Allow = slices.Clone(cfg.Allow)
 		byVol[v] = len(out)
-		out = append(out, ExportStatus{Config: cfg, Size: v.sizeNow(), BlockDevice: v.blockDev})
+		out = append(out, ExportStatus{Config: cfg, Size: v.sizeNow(), BlockDevice: v.blockDev, File: v.fileID, Removing: v.removed.Load()})
 	}
 	t.volMu.RUnlock()
 	for _, s := range t.sessionList() {
@@ -144,48 +207,159 @@ func (t *Target) sessionsOf(v *volume, keep func(host string) bool) []*session {
 	return out
 }
 
-// AddExport opens e (creating its sparse file if it gives a size) and
-// serves it at once.
-func (t *Target) AddExport(ctx context.Context, e ExportConfig) error {
+// PreparedExport is an export whose backing file is opened and checked
+// but not served yet: the first half of AddExport, for a caller that opens
+// every file of a change before it changes anything (a reload). Hand it to
+// AddPrepared, or Discard it.
+type PreparedExport struct {
+	v       *volume
+	created bool
+	done    bool
+}
+
+// Config is the export's configuration.
+func (p *PreparedExport) Config() ExportConfig { return p.v.cfg }
+
+// File is the identity of the export's backing file.
+func (p *PreparedExport) File() FileID { return p.v.fileID }
+
+// Size is the volume's size in bytes.
+func (p *PreparedExport) Size() uint64 { return p.v.sizeNow() }
+
+// Created reports whether opening it created its backing file (a sparse
+// file of the configured size).
+func (p *PreparedExport) Created() bool { return p.created }
+
+// Discard closes the export's file, and removes it if the open created it.
+// Safe after AddPrepared (then it does nothing) and twice.
+func (p *PreparedExport) Discard() {
+	if p == nil || p.done {
+		return
+	}
+	p.done = true
+	p.v.file.Close()
+	if p.created {
+		// Only if the path still names the file created (nothing else
+		// was put there meanwhile).
+		if st, err := os.Stat(p.v.path); err == nil && safeopen.IDOf(st) == p.v.fileID {
+			os.Remove(p.v.path)
+		}
+	}
+}
+
+// PrepareExport opens e's backing file (creating its sparse file if e
+// gives a size and the path does not exist) and checks it, without
+// changing what the target serves. The open never blocks: anything but a
+// regular file or a block device is refused at once, the error naming the
+// path and what it is ("is a FIFO"). An export of a file that the target
+// serves already is refused by AddPrepared; SameFile tells beforehand.
+func (t *Target) PrepareExport(ctx context.Context, e ExportConfig) (*PreparedExport, error) {
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("add export %q: %w", e.Name, err)
+		return nil, fmt.Errorf("open export %q: %w", e.Name, err)
 	}
 	if err := checkExport(e); err != nil {
+		return nil, fmt.Errorf("export %q: %w", e.Name, err)
+	}
+	e.Allow = slices.Clone(e.Allow)
+	v, created, err := openVolume(e)
+	if err != nil {
+		return nil, err // err names the export and the path
+	}
+	return &PreparedExport{v: v, created: created}, nil
+}
+
+// AddExport opens e (creating its sparse file if it gives a size) and
+// serves it at once: PrepareExport, then AddPrepared.
+func (t *Target) AddExport(ctx context.Context, e ExportConfig) error {
+	p, err := t.PrepareExport(ctx, e)
+	if err != nil {
+		return fmt.Errorf("add export: %w", err) // err names the export
+	}
+	return t.AddPrepared(ctx, p)
+}
+
+// AddPrepared serves p at once. It is refused (and p discarded) if the
+// name is exported (ErrExportExists), if another export serves the same
+// file, even one being removed (ErrSameFile, naming it), or if the target
+// is closed or ctx ended.
+func (t *Target) AddPrepared(ctx context.Context, p *PreparedExport) error {
+	e := p.v.cfg
+	if p.done {
+		return fmt.Errorf("add export %q: prepared export used or discarded already", e.Name)
+	}
+	_, unlock, err := t.lockAdmin(ctx)
+	if err != nil {
+		p.Discard()
 		return fmt.Errorf("add export %q: %w", e.Name, err)
 	}
-	t.adminMu.Lock()
-	defer t.adminMu.Unlock()
+	defer unlock()
 	t.mu.Lock()
 	closed := t.closed
 	t.mu.Unlock()
 	if closed {
+		p.Discard()
 		return fmt.Errorf("add export %q: %w", e.Name, ErrClosed)
 	}
-	t.volMu.RLock()
-	exists := t.volumes[e.Name] != nil
-	id := t.nextVol + 1
-	t.volMu.RUnlock()
-	if exists {
+	v := p.v
+	t.volMu.Lock()
+	if t.volumes[e.Name] != nil {
+		t.volMu.Unlock()
+		p.Discard()
 		return fmt.Errorf("add export %q: %w", e.Name, ErrExportExists)
 	}
-	e.Allow = slices.Clone(e.Allow)
-	v, err := openVolume(id, e)
-	if err != nil {
-		return fmt.Errorf("add export: %w", err) // err names the export and the path
+	if o := t.sameFileLocked(v.fileID); o != nil {
+		t.volMu.Unlock()
+		p.Discard()
+		return fmt.Errorf("add export %q: %w", e.Name, sameFileError(v.path, o.name, o.cfg.Path))
 	}
+	t.nextVol++
+	v.id = t.nextVol
 	if t.opts.WrapStore != nil {
 		v.f = t.opts.WrapStore(e.Name, v.file)
 	}
 	v.m = t.m.forExport(e.Name)
-	t.volMu.Lock()
-	t.nextVol = id
 	t.vols = append(t.vols, v)
 	t.volumes[e.Name] = v
 	t.volMu.Unlock()
+	p.done = true
 	t.startVolume(v)
 	t.log.Info("export added", zap.String("name", v.name), zap.String("path", v.path),
 		zap.Uint64("size", v.sizeNow()), zap.Bool("read_only", v.readOnly), zap.Bool("shared", e.Shared), zap.Strings("allow", e.Allow))
 	return nil
+}
+
+// SameFile returns the name of the export (one being removed included)
+// whose backing file is id, and whether there is one.
+func (t *Target) SameFile(id FileID) (string, bool) {
+	t.volMu.RLock()
+	defer t.volMu.RUnlock()
+	if v := t.sameFileLocked(id); v != nil {
+		return v.name, true
+	}
+	return "", false
+}
+
+// sameFileLocked returns the volume of t.vols whose file is id, or nil.
+// t.volMu is held.
+func (t *Target) sameFileLocked(id FileID) *volume {
+	for _, v := range t.vols {
+		if v.fileID == id {
+			return v
+		}
+	}
+	return nil
+}
+
+// sameFileAt reports whether path names the file id now.
+func sameFileAt(path string, id FileID) bool {
+	st, err := os.Stat(path)
+	return err == nil && safeopen.IDOf(st) == id
+}
+
+// sameFileError says that path is the file export name (at its path)
+// serves.
+func sameFileError(path, name, firstPath string) error {
+	return fmt.Errorf("%s is %w %q (%s)", path, ErrSameFile, name, firstPath)
 }
 
 // checkExport checks what ParseExport checks of an ExportConfig built
@@ -221,10 +395,18 @@ func checkExport(e ExportConfig) error {
 // freed and its file closed. Sessions of other exports are not touched
 // (a session that has other exports open too is closed with it:
 // initiators open one export per session). If the write-back fails the
-// export stays (its sessions gone) and the error says why.
+// export stays (its sessions gone) and the error says why. Close ends the
+// drain and the waits of the write-back at once (as ctx does): the export
+// then stays, and Close writes it back with the others.
 func (t *Target) RemoveExport(ctx context.Context, name string) error {
-	t.adminMu.Lock()
-	defer t.adminMu.Unlock()
+	ctx, unlock, err := t.lockAdmin(ctx)
+	if err != nil {
+		return fmt.Errorf("remove export %q: %w", name, err)
+	}
+	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("remove export %q: %w", name, err)
+	}
 	t.mu.Lock()
 	closed := t.closed
 	t.mu.Unlock()
@@ -243,7 +425,7 @@ func (t *Target) RemoveExport(ctx context.Context, name string) error {
 	}
 	start := time.Now()
 	n := t.endSessions(ctx, v, nil, fmt.Sprintf("export %q removed from the target", name))
-	err := t.cache.flush(v)
+	err = t.cache.flush(v)
 	if err == nil {
 		err = t.cache.dropVolume(ctx, v)
 	}
@@ -310,14 +492,21 @@ func (t *Target) endSessions(ctx context.Context, v *volume, keep func(host stri
 //     smaller is refused with ErrShrink; zero or the volume's size
 //     leaves it.
 //
-// Path and ReadOnly cannot change live: ErrNotLive names the field
-// (remove the export and add it again).
+// Path can change only to another name of the export's file (a symbolic
+// link, "d/../"); another file, or ReadOnly, cannot change live:
+// ErrNotLive names the field (remove the export and add it again).
 func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	if err := checkExport(e); err != nil {
 		return fmt.Errorf("update export %q: %w", e.Name, err)
 	}
-	t.adminMu.Lock()
-	defer t.adminMu.Unlock()
+	ctx, unlock, err := t.lockAdmin(ctx)
+	if err != nil {
+		return fmt.Errorf("update export %q: %w", e.Name, err)
+	}
+	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("update export %q: %w", e.Name, err)
+	}
 	t.volMu.RLock()
 	v := t.volumes[e.Name]
 	var old ExportConfig
@@ -329,7 +518,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		return fmt.Errorf("update export %q: %w", e.Name, ErrNoExport)
 	}
 	switch {
-	case e.Path != old.Path:
+	case e.Path != old.Path && !sameFileAt(e.Path, v.fileID):
 		return fmt.Errorf("update export %q: path %s -> %s: %w (remove the export and add it again)", e.Name, old.Path, e.Path, ErrNotLive)
 	case e.ReadOnly != old.ReadOnly:
 		return fmt.Errorf("update export %q: read_only %v -> %v: %w (remove the export and add it again)", e.Name, old.ReadOnly, e.ReadOnly, ErrNotLive)
@@ -344,6 +533,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	}
 	allowChanged := !slices.Equal(old.Allow, e.Allow)
 	t.volMu.Lock()
+	v.cfg.Path, v.path = e.Path, e.Path // another name of the same file, if it changed
 	v.cfg.Allow = slices.Clone(e.Allow)
 	v.cfg.Shared = e.Shared
 	if !grow {
@@ -354,6 +544,10 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 		allowed := ExportConfig{Allow: e.Allow}
 		n := t.endSessions(ctx, v, allowed.allows, fmt.Sprintf("host no longer allowed on export %q", e.Name))
 		t.log.Info("export's allow list changed", zap.String("name", e.Name), zap.Strings("allow", e.Allow), zap.Int("sessions_drained", n))
+	}
+	if old.Path != e.Path {
+		t.log.Info("export's path changed: another name of the same file", zap.String("name", e.Name),
+			zap.String("old_path", old.Path), zap.String("path", e.Path))
 	}
 	if old.Shared != e.Shared {
 		t.log.Info("export's sharing changed", zap.String("name", e.Name), zap.Bool("shared", e.Shared))

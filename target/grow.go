@@ -50,12 +50,18 @@ const resizeNoticeTimeout = 5 * time.Second
 // multiple of 4096 (ErrBadSize) and an unknown export
 // (protocol.ErrNoExport). Grows of one export run one at a time.
 func (t *Target) Grow(ctx context.Context, name string, size int64) error {
-	t.adminMu.Lock() // not while an export is added, removed or updated
-	defer t.adminMu.Unlock()
+	ctx, unlock, err := t.lockAdmin(ctx) // not while an export is added, removed or updated
+	if err != nil {
+		return fmt.Errorf("grow export %q: %w", name, err)
+	}
+	defer unlock()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("grow export %q: %w", name, err)
+	}
 	return t.grow(ctx, name, size)
 }
 
-// grow is Grow with t.adminMu held.
+// grow is Grow with the admin lock held.
 func (t *Target) grow(ctx context.Context, name string, size int64) error {
 	t.volMu.RLock()
 	v := t.volumes[name]

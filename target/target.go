@@ -133,8 +133,9 @@ type Target struct {
 	vols    []*volume
 	volumes map[string]*volume
 	nextVol uint32
-	// adminMu serializes AddExport, RemoveExport and UpdateExport.
-	adminMu sync.Mutex
+	// admin serializes AddExport, RemoveExport, UpdateExport and Grow
+	// (see adminLock in exports.go).
+	admin adminLock
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -205,18 +206,25 @@ func New(opts Options) (*Target, error) {
 	}
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
-		idents: make(map[ident]identEntry), probes: make(map[ident]*probe), perHost: make(map[string]int), penalties: make(map[string]time.Time)}
+		idents: make(map[ident]identEntry), probes: make(map[ident]*probe), perHost: make(map[string]int), penalties: make(map[string]time.Time),
+		admin: newAdminLock()}
 	for i, e := range opts.Exports {
 		if t.volumes[e.Name] != nil {
 			t.closeVolumes()
 			return nil, fmt.Errorf("export %q given twice", e.Name)
 		}
-		t.nextVol = uint32(i + 1)
-		v, err := openVolume(t.nextVol, e)
+		v, _, err := openVolume(e)
 		if err != nil {
 			t.closeVolumes()
 			return nil, err
 		}
+		if o := t.sameFileLocked(v.fileID); o != nil {
+			v.file.Close()
+			t.closeVolumes()
+			return nil, fmt.Errorf("export %q: %w", e.Name, sameFileError(e.Path, o.name, o.cfg.Path))
+		}
+		t.nextVol = uint32(i + 1)
+		v.id = t.nextVol
 		if opts.WrapStore != nil {
 			v.f = opts.WrapStore(e.Name, v.file)
 		}
@@ -382,12 +390,19 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 // initiator that it is shutting down (an Error message with tag 0 and
 // CodeShutdown), gives them DrainTimeout to finish their IO, flush and
 // disconnect, then ends the sessions left, writes every dirty chunk back,
-// syncs and closes the backing files. Safe to call twice.
+// syncs and closes the backing files. An export operation in progress (a
+// RemoveExport draining its sessions) is cut short first, and those
+// waiting to start fail with ErrClosed. Safe to call twice.
 func (t *Target) Close() error {
 	t.closeOnce.Do(func() {
-		// An export being added or removed is finished first.
-		t.adminMu.Lock()
-		defer t.adminMu.Unlock()
+		// An export being added, removed, updated or grown is finished
+		// first, at once: its waits (a drain, a revoke) end now, it
+		// leaves the export served or gone, never half, and what comes
+		// after it gives up (ErrClosed). What it cannot cut short is disk
+		// IO, which the shutdown would wait for as well.
+		t.admin.cancel()
+		t.admin.sem <- struct{}{}
+		defer func() { <-t.admin.sem }()
 		t.mu.Lock()
 		t.closed = true
 		sessions := make([]*session, 0, len(t.sessions))

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -30,8 +29,10 @@ type daemon struct {
 	file        fileState
 	flagExports []target.ExportConfig
 
-	// mu serializes reloads and admin commands.
-	mu sync.Mutex
+	// sem serializes reloads and admin commands (lock, unlock): a wait for
+	// it ends with the waiter's context (at SIGTERM, or when the admin
+	// client gives up).
+	sem chan struct{}
 
 	reloads    *prometheus.CounterVec
 	lastReload prometheus.Gauge
@@ -47,7 +48,7 @@ type daemon struct {
 // it was asked for, else a warning.
 func startDaemon(ctx context.Context, t *target.Target, f serveFlags, flagExports []target.ExportConfig,
 	reg prometheus.Registerer, log *zap.Logger) (*daemon, error) {
-	d := &daemon{t: t, log: log, file: f.file, flagExports: flagExports,
+	d := &daemon{t: t, log: log, file: f.file, flagExports: flagExports, sem: make(chan struct{}, 1),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "rblkd", Name: "config_reloads_total",
 			Help: "Reloads of the configuration file (SIGHUP or rblkd export reload), by result: ok or error."}, []string{"result"}),
 		lastReload: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "rblkd", Name: "config_last_reload_success_timestamp_seconds",
@@ -97,18 +98,40 @@ func startDaemon(ctx context.Context, t *target.Target, f serveFlags, flagExport
 				// systemd (Type=notify) shows the unit reloading until
 				// READY=1, sent whether the reload applied or was refused.
 				notify(ctx, log, sdnotify.Reloading(ctx))
-				d.mu.Lock()
-				msg, err := d.reload(ctx) // (it logs what it did and what it refused)
-				d.mu.Unlock()
-				status := "reloaded: " + msg
-				if err != nil {
-					status = "reload refused, running configuration kept: " + err.Error()
+				if err := d.lock(ctx); err != nil {
+					return // stopping
 				}
-				notify(ctx, log, sdnotify.Send(ctx, "READY=1\nSTATUS="+strings.ReplaceAll(status, "\n", "; ")))
+				msg, err := d.reload(ctx) // (it logs what it did and what it refused)
+				d.unlock()
+				notify(ctx, log, sdnotify.Send(ctx, "READY=1\nSTATUS="+strings.ReplaceAll(reloadStatus(msg, err), "\n", "; ")))
 			}
 		}
 	}()
 	return d, nil
+}
+
+// lock takes the daemon's lock, or fails when ctx ends first.
+func (d *daemon) lock(ctx context.Context) error {
+	select {
+	case d.sem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for another admin command or reload to finish: %w", ctx.Err())
+	}
+}
+
+func (d *daemon) unlock() { <-d.sem }
+
+// reloadStatus is what a reload did or why not, for systemd's STATUS=
+// and the admin client.
+func reloadStatus(msg string, err error) string {
+	switch {
+	case err == nil:
+		return "reloaded: " + msg
+	case refused(err):
+		return "reload refused, nothing changed: " + err.Error()
+	}
+	return "reload incomplete: done: " + msg + "; not done: " + err.Error()
 }
 
 // stop closes the admin socket (ending the requests in progress) and the
@@ -119,112 +142,6 @@ func (d *daemon) stop() {
 	}
 	d.cancel()
 	d.wg.Wait()
-}
-
-// reload loads the file and makes the exports those of the file (with
-// --export's over them): added ones are opened, removed ones drained,
-// changed ones updated (allow, shared, a larger size) or, for a new path
-// or read_only, removed and added again; unchanged ones are not touched.
-// Other settings need a restart: a change is logged and the running value
-// kept. An invalid file, or a smaller size, changes nothing. d.mu is held.
-func (d *daemon) reload(ctx context.Context) (msg string, err error) {
-	defer func() {
-		if err != nil {
-			d.reloads.WithLabelValues("error").Inc()
-			d.log.Error("reload refused or incomplete: the running configuration stays (where not said otherwise)",
-				zap.String("config", d.file.path), zap.Error(err))
-			return
-		}
-		d.reloads.WithLabelValues("ok").Inc()
-		d.lastReload.SetToCurrentTime()
-		d.log.Info("reloaded", zap.String("config", d.file.path), zap.String("changes", msg))
-	}()
-	c, err := config.Load(d.file.path)
-	if err != nil {
-		return "", err
-	}
-	settings, err := fileSettings(c, d.file.cmdline)
-	if err != nil {
-		return "", err
-	}
-	want := mergeExports(c.ExportConfigs(), d.flagExports)
-	current := map[string]target.ExportStatus{}
-	for _, st := range d.t.Exports() {
-		current[st.Config.Name] = st
-	}
-	// Check first what would be refused, so that a refused file changes
-	// nothing.
-	for _, e := range want {
-		cur, ok := current[e.Name]
-		if ok && e.Path == cur.Config.Path && e.ReadOnly == cur.Config.ReadOnly && e.Size != cur.Config.Size &&
-			e.Size > 0 && uint64(e.Size) < cur.Size {
-			line := 0
-			for _, fe := range c.Exports {
-				if fe.Name == e.Name {
-					line = fe.Line
-				}
-			}
-			return "", fmt.Errorf("%s:%d: export %q: size %d is smaller than the volume's %d bytes: %w", c.Path, line, e.Name, e.Size, cur.Size, target.ErrShrink)
-		}
-	}
-	var changes []string
-	var errs []error
-	for _, key := range sortedKeys(settings) {
-		if settings[key] != d.file.running[key] {
-			d.log.Warn("setting changed in the configuration needs a restart: keeping the running value",
-				zap.String("setting", key), zap.String("running", d.file.running[key]), zap.String("file", settings[key]))
-			changes = append(changes, key+" needs a restart")
-		}
-	}
-	wanted := map[string]target.ExportConfig{}
-	for _, e := range want {
-		wanted[e.Name] = e
-	}
-	for _, name := range sortedKeys(current) {
-		if _, ok := wanted[name]; !ok {
-			if err := d.t.RemoveExport(ctx, name); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			changes = append(changes, "removed "+name)
-		}
-	}
-	for _, e := range want {
-		cur, ok := current[e.Name]
-		switch {
-		case !ok:
-			if err := d.t.AddExport(ctx, e); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			changes = append(changes, "added "+e.Name)
-		case e.Path != cur.Config.Path || e.ReadOnly != cur.Config.ReadOnly:
-			// Cannot change under its sessions: they are drained.
-			if err := d.t.RemoveExport(ctx, e.Name); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			if err := d.t.AddExport(ctx, e); err != nil {
-				errs = append(errs, fmt.Errorf("export %q was removed to change its path or read_only, and could not be added again: %w", e.Name, err))
-				continue
-			}
-			changes = append(changes, "replaced "+e.Name)
-		case !slices.Equal(e.Allow, cur.Config.Allow) || e.Shared != cur.Config.Shared || e.Size != cur.Config.Size:
-			if err := d.t.UpdateExport(ctx, e); err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			changes = append(changes, "updated "+e.Name)
-		}
-	}
-	msg = strings.Join(changes, ", ")
-	if msg == "" {
-		msg = "no change"
-	}
-	if err := errors.Join(errs...); err != nil {
-		return msg, fmt.Errorf("%s: %w", d.file.path, err)
-	}
-	return msg, nil
 }
 
 func sortedKeys[V any](m map[string]V) []string {
@@ -256,7 +173,6 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 		log("admin request", zap.String("command", req.Command), zap.String("name", name), zap.Bool("save", req.Save),
 			zap.Bool("ok", resp.OK), zap.String("error", resp.Error), zap.Duration("took", time.Since(start)))
 	}()
-	fail := func(err error) admin.Response { return admin.Response{Error: err.Error()} }
 	if req.Save && d.file.path == "" {
 		return fail(errors.New("--save: rblkd was started without --config: there is no file to write the change to"))
 	}
@@ -271,80 +187,164 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 	default:
 		return fail(fmt.Errorf("unknown command %q: want list, add, remove, grow or reload", req.Command))
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	if req.Command == admin.CmdAdd {
+		return d.add(ctx, req) // (it opens the file before it waits for the lock)
+	}
+	if err := d.lock(ctx); err != nil {
+		return fail(err)
+	}
+	defer d.unlock()
 	switch req.Command {
 	case admin.CmdReload:
 		msg, err := d.reload(ctx)
 		if err != nil {
-			return admin.Response{Error: err.Error(), Message: msg}
+			return admin.Response{Error: reloadStatus(msg, err), Message: msg}
 		}
 		return admin.Response{OK: true, Message: msg}
-	case admin.CmdAdd:
-		if req.Export == nil {
-			return fail(errors.New("add: no export given"))
-		}
-		x := req.Export
-		e := target.ExportConfig{Name: x.Name, Path: x.Path, Size: x.Size, ReadOnly: x.ReadOnly, Shared: x.Shared, Allow: x.Allow}
-		if err := d.t.AddExport(ctx, e); err != nil {
-			return fail(err)
-		}
-		return d.saved(req, fmt.Sprintf("export %q added", e.Name), func(c *config.Config) error {
-			c.AddExport(e)
-			return nil
-		})
 	case admin.CmdRemove:
-		if err := d.t.RemoveExport(ctx, req.Name); err != nil {
-			return fail(err)
-		}
-		return d.saved(req, fmt.Sprintf("export %q removed", req.Name), func(c *config.Config) error {
-			if !c.RemoveExport(req.Name) {
-				return fmt.Errorf("export %q is not in %s", req.Name, c.Path)
-			}
-			return nil
-		})
-	default: // grow
-		var cur *target.ExportStatus
-		for _, st := range d.t.Exports() {
-			if st.Config.Name == req.Name {
-				cur = &st
-			}
-		}
-		switch {
-		case cur == nil:
-			return fail(fmt.Errorf("grow export %q: %w", req.Name, target.ErrNoExport))
-		case req.Size <= 0:
-			return fail(fmt.Errorf("grow export %q: size %d: want a size in bytes above 0", req.Name, req.Size))
-		case uint64(req.Size) < cur.Size:
-			return fail(fmt.Errorf("grow export %q: size %d is smaller than the volume's %d bytes: %w", req.Name, req.Size, cur.Size, target.ErrShrink))
-		case uint64(req.Size) > cur.Size:
-			if err := d.t.Grow(ctx, req.Name, req.Size); err != nil {
-				return fail(fmt.Errorf("grow export %q: %w", req.Name, err))
-			}
-		}
-		return d.saved(req, fmt.Sprintf("export %q is %d bytes", req.Name, req.Size), func(c *config.Config) error {
-			if !c.SetExportSize(req.Name, req.Size) {
-				return fmt.Errorf("export %q is not in %s", req.Name, c.Path)
-			}
-			return nil
-		})
+		return d.remove(ctx, req)
+	default:
+		return d.grow(ctx, req)
 	}
 }
 
-// saved answers a request that was done: with req.Save, after edit wrote
-// the change to the file (read again: edits made by hand meanwhile stay).
-func (d *daemon) saved(req admin.Request, msg string, edit func(*config.Config) error) admin.Response {
+// An admin command is a transaction too: it checks the request, edits the
+// file (with --save) and stages it, and opens the export's file (add),
+// before it changes anything; then it makes the change, and last puts the
+// staged file in place (a rename). A refusal changes nothing.
+
+// add serves a new export. Its file is opened first, before it waits for
+// the lock: a file that is not one to export (a FIFO, a socket, a device,
+// a mistyped path) is refused at once, even while another command (a
+// removal draining its sessions) holds the lock.
+func (d *daemon) add(ctx context.Context, req admin.Request) admin.Response {
+	if req.Export == nil {
+		return fail(errors.New("add: no export given"))
+	}
+	x := req.Export
+	e := target.ExportConfig{Name: x.Name, Path: x.Path, Size: x.Size, ReadOnly: x.ReadOnly, Shared: x.Shared, Allow: x.Allow}
+	exists := func() bool { return d.status(e.Name) != nil }
+	if exists() { // (checked again under the lock; this one spares creating a file)
+		return fail(fmt.Errorf("add export %q: %w", e.Name, target.ErrExportExists))
+	}
+	p, err := d.t.PrepareExport(ctx, e)
+	if err != nil {
+		return fail(fmt.Errorf("add export: %w", err))
+	}
+	defer p.Discard() // (nothing once added)
+	if err := d.lock(ctx); err != nil {
+		return fail(fmt.Errorf("add export %q: %w", e.Name, err))
+	}
+	defer d.unlock()
+	if exists() {
+		return fail(fmt.Errorf("add export %q: %w", e.Name, target.ErrExportExists))
+	}
+	staged, err := d.stage(req, func(c *config.Config) error {
+		c.AddExport(e)
+		return nil
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if err := d.t.AddPrepared(ctx, p); err != nil {
+		staged.Abort()
+		return fail(err)
+	}
+	return d.commit(staged, fmt.Sprintf("export %q added", e.Name))
+}
+
+// remove drains and removes an export.
+func (d *daemon) remove(ctx context.Context, req admin.Request) admin.Response {
+	if d.status(req.Name) == nil {
+		return fail(fmt.Errorf("remove export %q: %w", req.Name, target.ErrNoExport))
+	}
+	staged, err := d.stage(req, func(c *config.Config) error {
+		if !c.RemoveExport(req.Name) {
+			return fmt.Errorf("export %q is not in %s", req.Name, c.Path)
+		}
+		return nil
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if err := d.t.RemoveExport(ctx, req.Name); err != nil {
+		staged.Abort()
+		return fail(err)
+	}
+	return d.commit(staged, fmt.Sprintf("export %q removed", req.Name))
+}
+
+// grow enlarges a volume.
+func (d *daemon) grow(ctx context.Context, req admin.Request) admin.Response {
+	cur := d.status(req.Name)
+	switch {
+	case cur == nil:
+		return fail(fmt.Errorf("grow export %q: %w", req.Name, target.ErrNoExport))
+	case req.Size <= 0:
+		return fail(fmt.Errorf("grow export %q: size %d: want a size in bytes above 0", req.Name, req.Size))
+	case uint64(req.Size) < cur.Size:
+		return fail(fmt.Errorf("grow export %q: size %d is smaller than the volume's %d bytes: %w", req.Name, req.Size, cur.Size, target.ErrShrink))
+	}
+	staged, err := d.stage(req, func(c *config.Config) error {
+		if !c.SetExportSize(req.Name, req.Size) {
+			return fmt.Errorf("export %q is not in %s", req.Name, c.Path)
+		}
+		return nil
+	})
+	if err != nil {
+		return fail(err)
+	}
+	if uint64(req.Size) > cur.Size {
+		if err := d.t.Grow(ctx, req.Name, req.Size); err != nil {
+			staged.Abort()
+			return fail(fmt.Errorf("grow export %q: %w", req.Name, err))
+		}
+	}
+	return d.commit(staged, fmt.Sprintf("export %q is %d bytes", req.Name, req.Size))
+}
+
+// fail is the response to a request refused (or failed) with err.
+func fail(err error) admin.Response { return admin.Response{Error: err.Error()} }
+
+// status is the running export name, or nil.
+func (d *daemon) status(name string) *target.ExportStatus {
+	for _, st := range d.t.Exports() {
+		if st.Config.Name == name {
+			return &st
+		}
+	}
+	return nil
+}
+
+// stage, for a request with --save, reads the file again (edits made by
+// hand meanwhile stay), edits it and stages it (written beside the file,
+// synced); nil without --save. An edit that does not apply refuses the
+// request, before anything changed.
+func (d *daemon) stage(req admin.Request, edit func(*config.Config) error) (*config.Staged, error) {
 	if !req.Save {
-		return admin.Response{OK: true, Message: msg}
+		return nil, nil
 	}
 	c, err := config.Load(d.file.path)
 	if err == nil {
 		err = edit(c)
 	}
+	var staged *config.Staged
 	if err == nil {
-		err = c.Save()
+		staged, err = c.Stage()
 	}
 	if err != nil {
+		return nil, fmt.Errorf("--save: %w: nothing changed", err)
+	}
+	return staged, nil
+}
+
+// commit answers a request that was done: with --save, once the staged
+// file is in place.
+func (d *daemon) commit(staged *config.Staged, msg string) admin.Response {
+	if staged == nil {
+		return admin.Response{OK: true, Message: msg}
+	}
+	if err := staged.Commit(); err != nil {
 		return admin.Response{Error: fmt.Sprintf("%s, but not saved: %v", msg, err), Message: msg}
 	}
 	return admin.Response{OK: true, Message: msg + ", saved to " + d.file.path}

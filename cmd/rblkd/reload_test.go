@@ -64,18 +64,21 @@ func TestReloadDiff(t *testing.T) {
 		return m
 	}
 
+	// repl moves to another existing file (a reload never creates one
+	// for an export it serves: a mistyped path is refused).
+	if err := os.WriteFile(img("repl2"), make([]byte, 2<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	write("cache_size: 8M\nchunk_size: 1M\nexports:\n" +
 		"  - {name: keep, path: " + img("keep") + ", size: 1M}\n" +
 		"  - {name: upd, path: " + img("upd") + ", size: 1M, shared: true, allow: [h1]}\n" +
 		"  - {name: repl, path: " + img("repl2") + ", size: 2M}\n" +
 		"  - {name: new, path: " + img("new") + ", size: 1M, read_only: false}\n")
-	d.mu.Lock()
-	msg, err := d.reload(ctx)
-	d.mu.Unlock()
+	msg, err := reloadLocked(ctx, d)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := "cache_size needs a restart, removed gone, updated upd, replaced repl, added new"; msg != want {
+	if want := "cache_size needs a restart, added new, removed gone, replaced repl, updated upd"; msg != want {
 		t.Errorf("reload: %q, want %q", msg, want)
 	}
 	s := state()
@@ -88,17 +91,13 @@ func TestReloadDiff(t *testing.T) {
 
 	// A shrink: refused, nothing changes (not even the new export).
 	write("exports:\n  - {name: keep, path: " + img("keep") + ", size: 4K}\n  - {name: other, path: " + img("other") + ", size: 1M}\n")
-	d.mu.Lock()
-	_, err = d.reload(ctx)
-	d.mu.Unlock()
+	_, err = reloadLocked(ctx, d)
 	if !errors.Is(err, target.ErrShrink) || !strings.Contains(err.Error(), cfg+":2: export \"keep\"") {
 		t.Errorf("reload with a shrink: %v, want ErrShrink naming the file and line", err)
 	}
 	// An invalid file: refused with its line.
 	write("exports:\n  - {name: keep, path: " + img("keep") + ", size: 1M, colour: red}\n")
-	d.mu.Lock()
-	_, err = d.reload(ctx)
-	d.mu.Unlock()
+	_, err = reloadLocked(ctx, d)
 	if !errors.Is(err, config.ErrInvalid) || !strings.Contains(err.Error(), cfg+":2: exports[0].colour") {
 		t.Errorf("reload of an invalid file: %v", err)
 	}

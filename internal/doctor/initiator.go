@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/providers"
 )
@@ -244,10 +245,13 @@ func (e Env) checkHostID(id, file string) Check {
 		c.Fix = "chown root:root " + file
 		return c
 	}
-	b, err := os.ReadFile(file)
+	b, _, err := safeopen.ReadFile(file, 64<<10) // (a FIFO there: refused, never waited on)
 	if err != nil {
 		c.Detail = err.Error()
 		c.Fix = "run as root, or give --host-id"
+		if errors.Is(err, safeopen.ErrKind) {
+			c.Fix = "remove it (the next attach writes a random UUID into a regular file), or give --host-id"
+		}
 		return c
 	}
 	id = strings.TrimSpace(string(b))

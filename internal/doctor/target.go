@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/target"
 )
 
@@ -343,7 +344,7 @@ func (e Env) checkExport(x target.ExportConfig) []Check {
 		c.Fix = "export a regular file or a block device"
 		return []Check{c}
 	}
-	f, err := os.OpenFile(x.Path, flags, 0)
+	f, _, err := safeopen.Open(x.Path, flags, 0, safeopen.Regular|safeopen.BlockDevice) // never blocks
 	if err != nil {
 		c.Detail = fmt.Sprintf("cannot open it %s: %v", mode, err)
 		switch {

@@ -25,6 +25,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/rblk/rblk/internal/rdmacounters"
+	"github.com/rblk/rblk/internal/safeopen"
 )
 
 // NewLogger logs to stderr: "console" for people, "json" for collectors.
@@ -107,12 +108,18 @@ const DefaultHostIDFile = "/etc/rblk/hostid"
 // file, which is created with a random UUID when it does not exist. When
 // the file cannot be read or created, it says why and returns a random ID
 // for this process only (so reconnects still fence the earlier session,
-// but a restart is not recognized as the same host).
+// but a restart is not recognized as the same host). A file that is not a
+// regular file (a FIFO, a socket, a device) is an error, said at once.
 func HostID(id, file string, log *zap.Logger) (string, error) {
 	if id != "" {
 		return id, checkHostID(id)
 	}
-	b, err := os.ReadFile(file)
+	b, _, err := safeopen.ReadFile(file, 64<<10)
+	if errors.Is(err, safeopen.ErrKind) {
+		// A FIFO, socket or device there is a mistake to fix, not a file
+		// that cannot be read: refused at once (never waited on).
+		return "", fmt.Errorf("host ID file: %w (give --host-id, or remove it: the next attach writes a random UUID)", err)
+	}
 	if err == nil {
 		id = strings.TrimSpace(string(b))
 		if err := checkHostID(id); err != nil {
