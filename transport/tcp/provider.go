@@ -342,10 +342,10 @@ type listener struct {
 
 // shake is a stream whose connect request the listener awaits.
 type shake struct {
-	nc     net.Conn
-	peer   string    // the peer's address without the port
-	since  time.Time // its accept
-	gone   bool      // left shaking (l.mu)
+	nc    net.Conn
+	peer  string    // the peer's address without the port
+	since time.Time // its accept
+	gone  bool      // left shaking (l.mu)
 }
 
 var _ transport.HandshakeLimiter = (*listener)(nil)
