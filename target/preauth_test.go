@@ -108,12 +108,12 @@ func TestAuthStartOncePerConnection(t *testing.T) {
 				opts.Auth, secret = testKeys(t), secretA
 			}
 			e, reg := startWith(t, make([]byte, 256<<10), opts, target.ExportConfig{Shared: true})
-			for i := range 6 {
+			for i := range 100 {
 				l, err := e.dialFrom("127.0.0.2")
 				if err != nil {
 					t.Fatal(err)
 				}
-				if i%2 == 0 {
+				if i < 2 {
 					// In turn: the second is refused and ends the session.
 					if err := authStart(l, "host-a"); err != nil {
 						t.Fatalf("first AuthStart: %v", err)
@@ -128,7 +128,7 @@ func TestAuthStartOncePerConnection(t *testing.T) {
 					var wg sync.WaitGroup
 					var mu sync.Mutex
 					ok := 0
-					for range 16 {
+					for range 32 {
 						wg.Add(1)
 						go func() {
 							defer wg.Done()
