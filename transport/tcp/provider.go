@@ -220,9 +220,9 @@ func writeControl(w io.Writer, t frameType, status uint8, imm uint32, privateDat
 }
 
 // readControl reads a connection management frame into h and returns its
-// private data.
-func readControl(br *bufio.Reader, h *header) ([]byte, error) {
-	if _, err := io.ReadFull(br, h[:]); err != nil {
+// private data. It reads no byte past the frame from r.
+func readControl(r io.Reader, h *header) ([]byte, error) {
+	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return nil, err
 	}
 	if err := h.check(); err != nil {
@@ -237,7 +237,7 @@ func readControl(br *bufio.Reader, h *header) ([]byte, error) {
 		return nil, fmt.Errorf("%v private data of %d bytes", h.typ(), h.length())
 	}
 	pd := make([]byte, h.length())
-	if _, err := io.ReadFull(br, pd); err != nil {
+	if _, err := io.ReadFull(r, pd); err != nil {
 		return nil, err
 	}
 	return pd, nil
@@ -607,9 +607,10 @@ func (l *listener) handshake(sh *shake) {
 	if err != nil {
 		return
 	}
-	br := bufio.NewReaderSize(nc, readBufferSize)
+	// Read from the stream itself, exactly the frame: a stream that never
+	// sends its connect request costs no read buffer.
 	var h header
-	pd, err := readControl(br, &h)
+	pd, err := readControl(nc, &h)
 	if err != nil {
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() && !forget() {
@@ -637,6 +638,7 @@ func (l *listener) handshake(sh *shake) {
 	if evicted || err != nil {
 		return // evicted meanwhile: closed already
 	}
+	br := bufio.NewReaderSize(nc, readBufferSize)
 	r := &connRequest{l: l, nc: nc, br: br, pd: pd, peerReads: int(h.imm()), remote: nc.RemoteAddr().String(), acceptedAt: sh.since}
 	wait := time.NewTimer(time.Until(deadline))
 	defer wait.Stop()
