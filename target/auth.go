@@ -232,7 +232,7 @@ func (s *session) authResponse(tag uint64, m *protocol.AuthResponse) (*opMetrics
 	}
 	s.state = stateReady
 	s.mu.Unlock()
-	s.log.Info("host authenticated", zap.String("host_id", host))
+	s.noisy.Info("host authenticated", zap.String("host_id", host))
 	s.reply(tag, &protocol.AuthAccept{Proof: auth.Proof(secret, auth.RoleTarget, host, t.opts.TargetID, &ci, &ct)})
 	return t.m.opAuth, nil
 }

@@ -580,11 +580,7 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest, pr
 	t.m.sessions.Dec()
 	t.progress.Add(1)
 	reason := l.Err()
-	if authenticated {
-		s.log.Info("session ended", zap.NamedError("reason", reason))
-	} else {
-		s.noisy.Info("session ended", zap.NamedError("reason", reason), zap.Bool("authenticated", false))
-	}
+	s.noisy.Info("session ended", zap.NamedError("reason", reason), zap.Bool("authenticated", authenticated))
 }
 
 // Close shuts the target down cleanly: it refuses new sessions, tells every
