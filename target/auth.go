@@ -66,9 +66,10 @@ func (s *session) refuse(tag uint64, r *authRefusal) {
 	s.mu.Lock()
 	host := s.host
 	s.mu.Unlock()
-	if !s.end1(tag, r) {
+	if !s.markRefused() {
 		return
 	}
+	// Counted before the answer leaves: whoever got it sees the count.
 	s.t.m.authFailures.WithLabelValues(r.reason).Inc()
 	if r.reason != "rate_limited" {
 		s.t.authMu.Lock()
@@ -76,18 +77,21 @@ func (s *session) refuse(tag uint64, r *authRefusal) {
 		s.t.authMu.Unlock()
 	}
 	s.noisy.Warn("authentication refused", zap.String("host_id", host), zap.String("reason", r.reason), zap.String("error", r.text))
+	s.answerAndClose(tag, r)
 }
 
-// end1 moves the session to stateRefused and, the first time only,
-// answers tag with err and closes the session once the answer is sent.
-func (s *session) end1(tag uint64, err error) bool {
+// markRefused moves the session to stateRefused; false if it was already.
+func (s *session) markRefused() bool {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	already := s.state == stateRefused
 	s.state = stateRefused
-	s.mu.Unlock()
-	if already {
-		return false
-	}
+	return !already
+}
+
+// answerAndClose answers tag with err and closes the session once the
+// answer is sent.
+func (s *session) answerAndClose(tag uint64, err error) {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
@@ -98,19 +102,20 @@ func (s *session) end1(tag uint64, err error) bool {
 		}
 		s.link.Close()
 	}()
-	return true
 }
 
 // endAuth ends the session on an error of its authentication that is not
 // the initiator's fault (a session limit, a failure of the target): it is
 // answered with err, which says why, and counted as a failed auth request.
 func (s *session) endAuth(tag uint64, err error) {
+	if !s.markRefused() {
+		return
+	}
 	op := s.t.m.opAuth
 	op.failed.Inc()
 	op.errors.Inc()
-	if s.end1(tag, err) {
-		s.noisy.Warn("session refused", zap.String("host_id", s.hostID()), zap.Error(err))
-	}
+	s.noisy.Warn("session refused", zap.String("host_id", s.hostID()), zap.Error(err))
+	s.answerAndClose(tag, err)
 }
 
 // peerName is the session's peer address for messages.
