@@ -168,15 +168,36 @@ func TestHandshakeLimits(t *testing.T) {
 	checkListener(t, l)
 }
 
-// TestLimitHandshakesAppliesToWaiting: a shorter timeout applies to the
-// streams already waiting, from their accept.
+// TestLimitHandshakesAppliesToWaiting: limits set while streams wait
+// apply to them: those beyond the bound that it would have refused (the
+// newest of the address that holds the most) are closed at once, and a
+// shorter timeout runs from their accept.
 func TestLimitHandshakesAppliesToWaiting(t *testing.T) {
 	transporttest.CheckGoroutines(t)
 	l := listenTCP(t, Options{HandshakeTimeout: time.Minute})
-	s := dialSilent(t, l.Addr(), "127.0.0.1")
-	waitFor(t, "the listener holds the stream", func() bool { return waiting(l) == 1 })
-	l.(transport.HandshakeLimiter).LimitHandshakes(transport.HandshakeLimits{Timeout: 300 * time.Millisecond})
-	s.closedBy(t, s.dialed.Add(time.Second), "a stream waiting when the timeout was cut")
+	var ss []*silent
+	for _, local := range []string{"127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2", "127.0.0.2"} {
+		ss = append(ss, dialSilent(t, l.Addr(), local))
+		waitFor(t, "the listener holds the stream", func() bool { return waiting(l) == len(ss) })
+	}
+	var d drops
+	l.(transport.HandshakeLimiter).LimitHandshakes(transport.HandshakeLimits{Timeout: 500 * time.Millisecond, MaxPending: 3, Dropped: d.record})
+	if n := d.count(transport.DropLimit); n != 2 {
+		t.Fatalf("%d streams dropped for the lower bound, want 2", n)
+	}
+	for _, s := range ss[3:] {
+		s.closedBy(t, time.Now().Add(200*time.Millisecond), "a stream beyond the lowered bound")
+	}
+	for _, s := range ss[:3] {
+		select {
+		case <-s.closed:
+			t.Fatal("a stream within the bound was closed at once")
+		default:
+		}
+	}
+	for _, s := range ss[:3] {
+		s.closedBy(t, s.dialed.Add(time.Second), "a stream waiting when the timeout was cut")
+	}
 }
 
 // TestMaxPendingHandshakesOption: without an owner's limits the option

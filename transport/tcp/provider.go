@@ -351,11 +351,12 @@ type shake struct {
 var _ transport.HandshakeLimiter = (*listener)(nil)
 
 // LimitHandshakes sets the timeout and the bound of streams whose connect
-// request is awaited; the new timeout applies to those waiting now, from
-// their accept.
+// request is awaited; they apply to those waiting now as well: the
+// timeout from their accept, and the bound by closing the streams beyond
+// it that it would have refused (the newest of the address that holds the
+// most).
 func (l *listener) LimitHandshakes(lim transport.HandshakeLimits) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if lim.Timeout > 0 {
 		l.timeout = lim.Timeout
 		for _, sh := range l.shaking {
@@ -366,6 +367,26 @@ func (l *listener) LimitHandshakes(lim transport.HandshakeLimits) {
 		l.maxPending = lim.MaxPending
 	}
 	l.dropped = lim.Dropped
+	var over []*shake
+	for len(l.shaking) > l.maxPending {
+		var most []*shake
+		for _, q := range l.byPeer {
+			if len(q) > len(most) {
+				most = q
+			}
+		}
+		sh := most[len(most)-1]
+		l.removeLocked(sh)
+		over = append(over, sh)
+	}
+	dropped := l.dropped
+	l.mu.Unlock()
+	for _, sh := range over {
+		sh.nc.Close()
+		if dropped != nil {
+			dropped(transport.DropLimit, sh.nc.RemoteAddr().String())
+		}
+	}
 }
 
 func (l *listener) Addr() string { return l.addr }
