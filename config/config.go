@@ -60,26 +60,28 @@ const (
 // Keys are the settings of the file besides exports, each named like the
 // rblkd serve flag it stands for (flag = key with '-' for '_').
 var Keys = map[string]Kind{
-	"listen":                  String,
-	"transport":               String,
-	"cache_size":              Size,
-	"chunk_size":              Size,
-	"metrics_listen":          String,
-	"auth_file":               String,
-	"allow_unauthenticated":   Bool,
-	"target_id":               String,
-	"max_sessions":            Int,
-	"max_sessions_per_host":   Int,
+	"listen":                String,
+	"transport":             String,
+	"cache_size":            Size,
+	"chunk_size":            Size,
+	"metrics_listen":        String,
+	"auth_file":             String,
+	"allow_unauthenticated": Bool,
+	"target_id":             String,
+	"max_sessions":          Int,
+	"max_sessions_per_host": Int,
+	"handshake_timeout":     Duration,
+	"keepalive_timeout":     Duration,
+	"revoke_timeout":        Duration,
+	"drain_timeout":         Duration,
+	"drain_limit":           Duration,
+	"log_format":            String,
+	"debug":                 Bool,
+	"admin_socket":          String,
+
+	// Limits on connections before authentication and on a session.
 	"max_unauthenticated":     Int,
-	"handshake_timeout":       Duration,
 	"max_handles_per_session": Int,
-	"keepalive_timeout":       Duration,
-	"revoke_timeout":          Duration,
-	"drain_timeout":           Duration,
-	"drain_limit":             Duration,
-	"log_format":              String,
-	"debug":                   Bool,
-	"admin_socket":            String,
 }
 
 // choices are the values some string settings are limited to.
