@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -529,5 +530,30 @@ func TestLogBounded(t *testing.T) {
 	}
 	if logs.FilterMessage("volume opened").FilterField(zap.String("host_id", "host-b")).Len() != 1 {
 		t.Error("another address's Open was not logged")
+	}
+}
+
+// TestNewRefusesBadLimits: limits that would refuse everything, or never
+// refill, are refused at New, naming the limit.
+func TestNewRefusesBadLimits(t *testing.T) {
+	dir := t.TempDir()
+	for want, o := range map[string]target.Options{
+		"max unauthenticated -1":          {MaxUnauthenticated: -1},
+		"max handles per session -3":      {MaxHandlesPerSession: -3},
+		"max sessions -1":                 {MaxSessions: -1},
+		"failed authentications per peer": {FailedAuthPerPeer: target.RateLimit{Burst: 5}},
+		"log limit":                       {LogLimit: target.RateLimit{Every: time.Second}},
+		"handshake timeout -1s":           {HandshakeTimeout: -time.Second},
+	} {
+		o.Exports = []target.ExportConfig{{Name: "v", Path: filepath.Join(dir, "v"), Size: 1 << 20}}
+		tg, err := target.New(o)
+		if err == nil {
+			tg.Close()
+			t.Errorf("%s: New succeeded", want)
+			continue
+		}
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("New with %s: %v", want, err)
+		}
 	}
 }
