@@ -79,6 +79,10 @@ var Keys = map[string]Kind{
 	"log_format":            String,
 	"debug":                 Bool,
 	"admin_socket":          String,
+
+	// Limits on connections before authentication and on a session.
+	"max_unauthenticated":     Int,
+	"max_handles_per_session": Int,
 }
 
 // choices are the values some string settings are limited to.

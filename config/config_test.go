@@ -23,7 +23,8 @@ func TestExampleFile(t *testing.T) {
 	}
 	want := map[string]string{"listen": "192.0.2.10:7480", "transport": "auto", "auth_file": "/etc/rblk/auth",
 		"allow_unauthenticated": "false", "target_id": "storage-1", "cache_size": "4G", "chunk_size": "1M",
-		"max_sessions": "1024", "max_sessions_per_host": "64", "handshake_timeout": "10s", "keepalive_timeout": "15s",
+		"max_sessions": "1024", "max_sessions_per_host": "64", "max_unauthenticated": "128", "handshake_timeout": "10s",
+		"max_handles_per_session": "16", "keepalive_timeout": "15s",
 		"revoke_timeout": "10s", "drain_timeout": "10s", "drain_limit": "4m", "metrics_listen": "127.0.0.1:9480",
 		"log_format": "json", "debug": "false", "admin_socket": "/run/rblk/rblkd.sock"}
 	got := map[string]string{}

@@ -207,7 +207,7 @@ func BenchmarkDone(b *testing.B) {
 // benchSession is a session without a connection, for benchmarks that
 // call its handlers directly (and send nothing).
 func benchSession(tg *Target) *session {
-	s := &session{t: tg, id: 1, log: zap.NewNop(), ready: make(chan struct{}), ended: make(chan struct{}),
+	s := &session{t: tg, id: 1, log: zap.NewNop(), noisy: zap.NewNop(), ready: make(chan struct{}), ended: make(chan struct{}),
 		handles: make(map[uint32]*openVol), grants: make(map[chunkKey]*chunk)}
 	close(s.ready)
 	s.ctx, s.cancel = context.WithCancel(context.Background())

@@ -15,7 +15,13 @@
 //
 //   - admit: every session authenticates first (Options.Auth: a mutual
 //     challenge-response, see package auth; without it the host names
-//     itself), within Options.HandshakeTimeout and the session limits;
+//     itself), once per connection, within Options.HandshakeTimeout of
+//     its accept and the session limits, which count it only once proven;
+//     connections waiting to authenticate are bounded apart
+//     (MaxUnauthenticated, fairly by address), failed authentications
+//     are limited by address and host ID (FailedAuthPerPeer,
+//     FailedAuthPerHost), a session's handles by MaxHandlesPerSession,
+//     and the log lines a client can repeat by LogLimit;
 //     an export may allow only some hosts (ExportConfig.Allow), and has one
 //     writing host at a time unless Shared: another host's read-write Open
 //     fails with ErrBusy naming the holder, or, with OpenTakeover, fences

@@ -17,6 +17,9 @@ type Metrics struct {
 	refused        *prometheus.CounterVec
 	takeovers      prometheus.Counter
 	hostSessions   *prometheus.GaugeVec
+	unauthSessions prometheus.Gauge
+	authLimited    *prometheus.CounterVec
+	logSuppressed  prometheus.Counter
 	evictions      *prometheus.CounterVec
 	loads          *prometheus.CounterVec
 	loadBytes      *prometheus.CounterVec
@@ -74,11 +77,22 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		revokeTimeouts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "revoke_timeouts_total",
 			Help: "Sessions closed because they did not answer a revoke in time."}),
 		authFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "auth_failures_total",
-			Help: "Sessions refused by authentication, by reason: unknown_host, no_secret, wrong_secret, unauthenticated_request, timeout."}, []string{"reason"}),
+			Help: "Sessions refused by authentication, by reason: unknown_host, no_secret, wrong_secret, unauthenticated_request, " +
+				"rate_limited (too many failures from the peer's address), timeout (no authentication within --handshake-timeout of the connection's accept)."}, []string{"reason"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "refused_total",
-			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, not_allowed, writer_busy, attach_busy (another live attach of the host holds the export)."}, []string{"reason"}),
+			Help: "Sessions and opens refused, by reason: session_limit, host_session_limit, unauthenticated_limit (a connection refused: " +
+				"--max-unauthenticated connections wait to authenticate, the most of them from its address), unauthenticated_evicted (a waiting " +
+				"connection closed to make room for one from another address), handle_limit (an Open or Join beyond --max-handles-per-session), " +
+				"not_allowed, writer_busy, attach_busy (another live attach of the host holds the export)."}, []string{"reason"}),
 		hostSessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: ns, Name: "host_sessions",
 			Help: "Sessions now, by the host ID they authenticated (or, without an auth file, named) as."}, []string{"host_id"}),
+		unauthSessions: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "sessions_unauthenticated",
+			Help: "Connections accepted that have not authenticated yet (at most --max-unauthenticated; streams of the software transport that sent nothing yet are not counted)."}),
+		authLimited: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "auth_rate_limited_total",
+			Help: "Authentications held back by the limits on failures: by=peer, refused at once (too many failures from the address); " +
+				"by=host, a wrong proof answered late (too many wrong proofs for the host ID; right proofs never wait)."}, []string{"by"}),
+		logSuppressed: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "log_lines_suppressed_total",
+			Help: "Log lines a client caused that were not written: beyond the burst of their kind from one peer address (the next one written says how many)."}),
 		takeovers: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "takeovers_total",
 			Help: "Exclusive exports taken over from another host, or from another attach of the same host (its session fenced)."}),
 		evictions:      prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: ns, Name: "cache_evictions_total", Help: "Chunks evicted from the cache, by export."}, exp),
@@ -99,15 +113,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.errDeregister, m.errProtocol = m.errors.WithLabelValues("deregister"), m.errors.WithLabelValues("protocol")
 	// The documented reasons exist from the start, at 0, so that rates and
 	// alerts over them work before the first refusal.
-	for _, r := range []string{"unknown_host", "no_secret", "wrong_secret", "unauthenticated_request", "timeout"} {
+	for _, r := range []string{"unknown_host", "no_secret", "wrong_secret", "unauthenticated_request", "rate_limited", "timeout"} {
 		m.authFailures.WithLabelValues(r)
 	}
-	for _, r := range []string{"session_limit", "host_session_limit", "not_allowed", "writer_busy", "attach_busy"} {
+	for _, r := range []string{"session_limit", "host_session_limit", "unauthenticated_limit", "unauthenticated_evicted", "handle_limit", "not_allowed", "writer_busy", "attach_busy"} {
 		m.refused.WithLabelValues(r)
+	}
+	for _, by := range []string{"peer", "host"} {
+		m.authLimited.WithLabelValues(by)
 	}
 	if reg != nil {
 		reg.MustRegister(m.sessions, m.sessionsTotal, m.requests, m.requestSeconds, m.errors, m.grants, m.revokes, m.fenced, m.revokeTimeouts,
-			m.authFailures, m.refused, m.takeovers, m.hostSessions,
+			m.authFailures, m.refused, m.takeovers, m.hostSessions, m.unauthSessions, m.authLimited, m.logSuppressed,
 			m.evictions, m.loads, m.loadBytes, m.loadSeconds, m.writebackOps, m.writebackBytes, m.doneBytes,
 			m.flushSeconds, m.cacheUsed, m.cacheBudget)
 	}

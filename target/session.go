@@ -46,6 +46,8 @@ type session struct {
 	t     *Target
 	id    uint64
 	log   *zap.Logger
+	noisy *zap.Logger // log, limited for the lines the client can multiply (loglimit.go)
+	pre   *preauth    // its count as a connection waiting to authenticate
 	link  *link.Link
 	ready chan struct{} // closed once link is set
 
@@ -56,6 +58,7 @@ type session struct {
 	mu      sync.Mutex
 	handles map[uint32]*openVol
 	next    uint32
+	opening int // handles being opened (reserveHandle)
 	// grants indexes the chunks this session holds grants of: a Done
 	// names ranges, and finds their chunks here, without the cache's lock.
 	// A chunk leaves it before its grant ends (ch.holders), so a Done
@@ -126,7 +129,7 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 // protocolError ends the session: the peer sent something malformed.
 func (s *session) protocolError(err error) {
 	s.t.m.errProtocol.Inc()
-	s.log.Warn("protocol error, closing session", zap.Error(err))
+	s.noisy.Warn("protocol error, closing session", zap.Error(err))
 	go s.link.Close()
 }
 
@@ -142,7 +145,7 @@ func (s *session) replyErr(tag uint64, op *opMetrics, err error) {
 	// (Refused opens and stale requests are logged where they are refused,
 	// with the host, or are the initiator's business.)
 	if code != protocol.CodeStale && code != protocol.CodeInval && code != protocol.CodePerm && code != protocol.CodeAccess {
-		s.log.Warn("request failed", zap.String("op", op.name), zap.Error(err))
+		s.noisy.Warn("request failed", zap.String("op", op.name), zap.Error(err))
 	}
 	s.reply(tag, protocol.ErrorFor(err))
 }
@@ -273,13 +276,18 @@ func (s *session) export(op, name, hostID string) (*volume, string, error) {
 	}
 	if !allowed {
 		s.t.m.refused.WithLabelValues("not_allowed").Inc()
-		s.log.Warn(op+" refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
+		s.noisy.Warn(op+" refused: host not allowed", zap.String("host_id", host), zap.String("export", v.name))
 		return nil, "", fmt.Errorf("host %q is not allowed to open export %q: %w", host, v.name, protocol.ErrAccess)
 	}
 	return v, host, nil
 }
 
 func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
+	release, err := s.reserveHandle("open")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	v, host, err := s.export("open", m.Name, m.HostID)
 	if err != nil {
 		return nil, err
@@ -304,6 +312,27 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	return s.addHandle(ov, "volume opened")
 }
 
+// reserveHandle takes a place for a handle being opened, within
+// MaxHandlesPerSession, before anything of the open happens (fencing
+// included); release gives it back once the handle is added or the open
+// failed. Handles open and being opened never exceed the limit, however
+// many Opens the session sends at once.
+func (s *session) reserveHandle(op string) (release func(), err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if n := len(s.handles) + s.opening; n >= s.t.opts.MaxHandlesPerSession {
+		s.t.m.refused.WithLabelValues("handle_limit").Inc()
+		return nil, fmt.Errorf("%s: the session has %d handles open, the most one session may have (--max-handles-per-session): close one first: %w",
+			op, n, protocol.ErrBusy)
+	}
+	s.opening++
+	return func() {
+		s.mu.Lock()
+		s.opening--
+		s.mu.Unlock()
+	}, nil
+}
+
 // addHandle gives ov a handle of the session and returns the VolumeInfo
 // that tells the initiator, logging event. An export removed meanwhile
 // (RemoveExport) gives no handle: the removal either sees the handle or
@@ -315,7 +344,10 @@ func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, er
 		s.t.forget(s, ov)
 		return nil, fmt.Errorf("export %q: removed: %w", ov.v.name, protocol.ErrNoExport)
 	}
-	s.next++
+	// A free handle number: after 2^32 opens the numbers wrap around
+	// the few still open.
+	for s.next++; s.next == 0 || s.handles[s.next] != nil; s.next++ {
+	}
 	h := s.next
 	s.handles[h] = ov
 	if !s.opened {
@@ -324,7 +356,7 @@ func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, er
 	}
 	s.mu.Unlock()
 	v := ov.v
-	s.log.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host), zap.String("instance", instanceString(ov.instance)),
+	s.noisy.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host), zap.String("instance", instanceString(ov.instance)),
 		zap.Bool("writable", ov.writable), zap.Uint32("handle", h), zap.Uint64("generation", ov.gen))
 	flags := volFlags(v)
 	if !ov.writable {
@@ -338,6 +370,11 @@ func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, er
 // export as an IO queue (protocol.Join): it gets a handle of its own and
 // the session's generation, and is fenced with the session.
 func (s *session) join(m *protocol.Join) (*protocol.VolumeInfo, error) {
+	release, err := s.reserveHandle("join")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	v, host, err := s.export("join", m.Name, m.HostID) // (a Join always names one)
 	if err != nil {
 		return nil, err

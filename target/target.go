@@ -48,7 +48,26 @@ const (
 	// KeepAlive that checks it when another attach of its host opens its
 	// export (see Options.LivenessProbe).
 	DefaultLivenessProbe = 5 * time.Second
+	// DefaultMaxUnauthenticated bounds the connections waiting to
+	// authenticate: each costs a session's buffers (about 150 KB) until
+	// the handshake timeout.
+	DefaultMaxUnauthenticated = 128
+	// DefaultMaxHandlesPerSession bounds the handles of one session (an
+	// initiator opens one per session).
+	DefaultMaxHandlesPerSession = 16
 )
+
+// Defaults of the limits on failed authentications and on log lines
+// (Options.FailedAuthPerPeer, FailedAuthPerHost, LogLimit).
+var (
+	DefaultFailedAuthPerPeer = RateLimit{Burst: 10, Every: time.Second}
+	DefaultFailedAuthPerHost = RateLimit{Burst: 30, Every: 200 * time.Millisecond}
+	DefaultLogLimit          = RateLimit{Burst: 20, Every: time.Second}
+)
+
+// failedAuthDelay is how late a wrong proof for a host over
+// FailedAuthPerHost is answered (at most until the handshake timeout).
+const failedAuthDelay = time.Second
 
 // probeFresh is how long the answer of a liveness probe stands for the
 // Opens that did not wait for it: more Opens meanwhile send no more
@@ -98,13 +117,27 @@ type Options struct {
 	// TargetID names this target in the authentication. Default: the
 	// host name.
 	TargetID string
-	// MaxSessions and MaxSessionsPerHost bound the sessions (handshaking
-	// ones included) in all and of one host ID. Defaults
-	// DefaultMaxSessions and DefaultMaxSessionsPerHost.
+	// MaxSessions and MaxSessionsPerHost bound the authenticated sessions
+	// (on a target without Auth: those whose host named itself) in all
+	// and of one host ID: a session counts from its accepted proof to its
+	// end. A connection that comes while MaxSessions are authenticated is
+	// refused at once. Defaults DefaultMaxSessions and
+	// DefaultMaxSessionsPerHost.
 	MaxSessions        int
 	MaxSessionsPerHost int
+	// MaxUnauthenticated bounds the connections that have not
+	// authenticated yet, apart from MaxSessions; a listener that holds
+	// streams before their connect request (transport.HandshakeLimiter)
+	// holds at most as many more. Beyond it, a new connection from the
+	// peer address that holds the most of them is refused at once
+	// (protocol.ErrBusy); one from another address takes the place of the
+	// oldest connection of the address that holds the most, so that a
+	// flood from one address keeps no other host out. Default
+	// DefaultMaxUnauthenticated.
+	MaxUnauthenticated int
 	// HandshakeTimeout bounds how long a connection may take to
-	// authenticate (or, without Auth, to name its host). Default
+	// authenticate (or, without Auth, to name its host), from its accept
+	// (transport.AcceptTimer) or else from Serve's. Default
 	// DefaultHandshakeTimeout.
 	HandshakeTimeout time.Duration
 	// LivenessProbe bounds the check of a live session when another attach
@@ -113,6 +146,25 @@ type Options struct {
 	// the Open goes on; one that answers keeps the export. At most
 	// KeepAlive when that is positive. Default DefaultLivenessProbe.
 	LivenessProbe time.Duration
+	// MaxHandlesPerSession bounds the handles (Open, Join) a session has
+	// open at once; more are refused with protocol.ErrBusy. Default
+	// DefaultMaxHandlesPerSession.
+	MaxHandlesPerSession int
+	// FailedAuthPerPeer limits failed authentications (unknown host, no
+	// or a wrong secret, requests before authentication) by peer address:
+	// beyond it, AuthStart from that address is refused at once until it
+	// has a token back. Default DefaultFailedAuthPerPeer.
+	FailedAuthPerPeer RateLimit
+	// FailedAuthPerHost limits wrong proofs by host ID: beyond it, a wrong
+	// proof for that host is answered a second late (a right one never
+	// waits, so an attacker who knows a host ID cannot lock its host out).
+	// Default DefaultFailedAuthPerHost.
+	FailedAuthPerHost RateLimit
+	// LogLimit bounds the log lines a client can cause at will (refused
+	// connections and authentications, handshake timeouts, opens, failed
+	// requests): by peer address and kind of line. Default
+	// DefaultLogLimit.
+	LogLimit RateLimit
 	// Logger gets one line per session event. Default: no logs.
 	Logger *zap.Logger
 	// Registerer receives the target's metrics. Default: not registered.
@@ -148,10 +200,17 @@ type Target struct {
 	// and session ends.
 	progress atomic.Uint64
 
+	// logLimit bounds the log lines clients can multiply (loglimit.go).
+	logLimit *logLimiter
+
+	// authMu guards the limits of failed authentications.
+	authMu    sync.Mutex
+	peerFails *buckets // by peer address
+	hostFails *buckets // wrong proofs by host ID
+
 	mu        sync.Mutex
 	sessions  map[*session]struct{}
-	accepted  int                  // sessions between accept and end, handshaking ones included
-	perHost   map[string]int       // sessions by host ID, from AuthStart to end
+	perHost   map[string]int       // authenticated sessions by host ID
 	idents    map[ident]identEntry // the current session of each identity
 	probes    map[ident]*probe     // the last liveness probe of each identity's current session
 	penalties map[string]time.Time // hosts dropped for not answering revokes, until when
@@ -160,6 +219,10 @@ type Target struct {
 	closed    bool
 	closeOnce sync.Once
 	closeErr  error
+	// Sessions counted against the limits (guarded by mu too).
+	authed   int                   // authenticated sessions
+	unauth   int                   // accepted connections not authenticated yet
+	unauthBy map[string][]*preauth // the same by peer address, oldest first
 }
 
 // orDefault sets *v to d if it is the zero value.
@@ -188,6 +251,26 @@ func New(opts Options) (*Target, error) {
 	if opts.KeepAlive > 0 {
 		opts.LivenessProbe = min(opts.LivenessProbe, opts.KeepAlive)
 	}
+	orDefault(&opts.MaxUnauthenticated, DefaultMaxUnauthenticated)
+	orDefault(&opts.MaxHandlesPerSession, DefaultMaxHandlesPerSession)
+	orDefault(&opts.FailedAuthPerPeer, DefaultFailedAuthPerPeer)
+	orDefault(&opts.FailedAuthPerHost, DefaultFailedAuthPerHost)
+	orDefault(&opts.LogLimit, DefaultLogLimit)
+	for name, v := range map[string]int{"max sessions": opts.MaxSessions, "max sessions per host": opts.MaxSessionsPerHost,
+		"max unauthenticated": opts.MaxUnauthenticated, "max handles per session": opts.MaxHandlesPerSession} {
+		if v < 1 {
+			return nil, fmt.Errorf("%s %d: want at least 1", name, v)
+		}
+	}
+	for name, l := range map[string]RateLimit{"failed authentications per peer": opts.FailedAuthPerPeer,
+		"failed authentications per host": opts.FailedAuthPerHost, "log limit": opts.LogLimit} {
+		if l.Burst < 1 || l.Every <= 0 {
+			return nil, fmt.Errorf("%s %+v: want a burst of at least 1 and a positive interval", name, l)
+		}
+	}
+	if opts.HandshakeTimeout < 0 {
+		return nil, fmt.Errorf("handshake timeout %v: want a positive duration", opts.HandshakeTimeout)
+	}
 	if opts.TargetID == "" {
 		opts.TargetID, _ = os.Hostname()
 	}
@@ -207,7 +290,10 @@ func New(opts Options) (*Target, error) {
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
 		idents: make(map[ident]identEntry), probes: make(map[ident]*probe), perHost: make(map[string]int), penalties: make(map[string]time.Time),
-		admin: newAdminLock()}
+		admin: newAdminLock(),
+		unauthBy: make(map[string][]*preauth), peerFails: newBuckets(opts.FailedAuthPerPeer, maxFailKeys),
+		hostFails: newBuckets(opts.FailedAuthPerHost, maxFailKeys)}
+	t.logLimit = newLogLimiter(opts.LogLimit, t.m.logSuppressed)
 	for i, e := range opts.Exports {
 		if t.volumes[e.Name] != nil {
 			t.closeVolumes()
@@ -273,7 +359,9 @@ func (t *Target) exportList(host string) *protocol.ExportList {
 
 // Serve accepts initiators on l until ctx ends, l is closed, or the target
 // is closed, then closes l. The sessions it started go on until the target
-// is closed (see Close) or their initiators leave.
+// is closed (see Close) or their initiators leave. A listener that holds
+// streams before their connect request (transport.HandshakeLimiter) gets
+// the target's HandshakeTimeout and MaxUnauthenticated.
 func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -283,6 +371,10 @@ func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 		<-ctx.Done()
 		l.Close()
 	}()
+	if hl, ok := l.(transport.HandshakeLimiter); ok {
+		hl.LimitHandshakes(transport.HandshakeLimits{Timeout: t.opts.HandshakeTimeout, MaxPending: t.opts.MaxUnauthenticated,
+			Dropped: t.droppedBeforeConnect})
+	}
 	for {
 		req, err := l.Accept(ctx)
 		if err != nil {
@@ -291,49 +383,183 @@ func (t *Target) Serve(ctx context.Context, l transport.Listener) error {
 			}
 			return fmt.Errorf("accept: %w", err)
 		}
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			req.Reject(nil)
+		if !t.admit(req) {
 			return nil
 		}
-		if t.accepted >= t.opts.MaxSessions {
-			t.mu.Unlock()
-			t.m.refused.WithLabelValues("session_limit").Inc()
-			t.log.Warn("session refused: too many sessions", zap.String("peer", req.RemoteAddr()), zap.Int("limit", t.opts.MaxSessions))
-			em := protocol.ErrorMsg{Code: protocol.CodeBusy, Text: fmt.Sprintf("too many sessions on the target (limit %d)", t.opts.MaxSessions)}
-			b, _ := protocol.Append(nil, 0, 0, &em)
-			req.Reject(b)
-			continue
-		}
-		t.accepted++
-		t.wg.Add(1)
-		t.mu.Unlock()
-		go func() {
-			defer t.wg.Done()
-			t.serveSession(t.ctx, req)
-			t.mu.Lock()
-			t.accepted--
-			t.mu.Unlock()
-		}()
 	}
 }
 
-func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
+// preauth is a connection accepted and not authenticated yet, counted in
+// Target.unauth (Target.mu).
+type preauth struct {
+	peer   string
+	since  time.Time // its accept: its handshake timeout runs from there
+	cancel context.CancelFunc
+	gone   bool // no longer counted: authenticated, ended, or evicted
+}
+
+// admit starts a session for req within the limits, or refuses it; false:
+// the target is closed.
+func (t *Target) admit(req transport.ConnRequest) bool {
+	since := time.Now()
+	if at, ok := req.(transport.AcceptTimer); ok {
+		if a := at.AcceptedAt(); !a.IsZero() && a.Before(since) {
+			since = a
+		}
+	}
+	peer := peerHost(req.RemoteAddr())
+	ctx, cancel := context.WithCancel(t.ctx)
+	pre := &preauth{peer: peer, since: since, cancel: cancel}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		cancel()
+		req.Reject(nil)
+		return false
+	}
+	if t.authed >= t.opts.MaxSessions {
+		t.mu.Unlock()
+		cancel()
+		t.m.refused.WithLabelValues("session_limit").Inc()
+		t.logLimit.limited(t.log, peer).Warn("session refused: too many sessions", zap.String("peer", req.RemoteAddr()), zap.Int("limit", t.opts.MaxSessions))
+		t.reject(req, fmt.Sprintf("too many sessions on the target (limit %d)", t.opts.MaxSessions))
+		return true
+	}
+	victim, ok := t.makeRoomLocked(peer)
+	if !ok {
+		n := len(t.unauthBy[peer])
+		t.mu.Unlock()
+		cancel()
+		t.m.refused.WithLabelValues("unauthenticated_limit").Inc()
+		t.logLimit.limited(t.log, peer).Warn("session refused: too many connections waiting to authenticate",
+			zap.String("peer", req.RemoteAddr()), zap.Int("limit", t.opts.MaxUnauthenticated), zap.Int("from_peer", n))
+		t.reject(req, fmt.Sprintf("too many connections waiting to authenticate (limit %d, %d from your address): retry later", t.opts.MaxUnauthenticated, n))
+		return true
+	}
+	t.addUnauthLocked(pre)
+	t.wg.Add(1)
+	t.mu.Unlock()
+	if victim != nil {
+		t.m.refused.WithLabelValues("unauthenticated_evicted").Inc()
+		t.logLimit.limited(t.log, victim.peer).Warn("closing a connection that has not authenticated: too many connections wait to authenticate, the most from its address",
+			zap.String("peer", victim.peer), zap.Duration("waited", time.Since(victim.since)), zap.Int("limit", t.opts.MaxUnauthenticated))
+		victim.cancel()
+	}
+	go func() {
+		defer t.wg.Done()
+		defer cancel()
+		t.serveSession(ctx, req, pre)
+		t.mu.Lock()
+		t.removeUnauthLocked(pre)
+		t.mu.Unlock()
+	}()
+	return true
+}
+
+// reject refuses req with a busy error that says why.
+func (t *Target) reject(req transport.ConnRequest, why string) {
+	em := protocol.ErrorMsg{Code: protocol.CodeBusy, Text: why}
+	b, _ := protocol.Append(nil, 0, 0, &em)
+	req.Reject(b)
+}
+
+// makeRoomLocked decides whether a new connection from peer may wait to
+// authenticate: yes while fewer than MaxUnauthenticated wait; beyond,
+// only if another address holds more of them than peer does, whose oldest
+// is then the victim (no longer counted; the caller closes it). t.mu is
+// held.
+func (t *Target) makeRoomLocked(peer string) (victim *preauth, ok bool) {
+	if t.unauth < t.opts.MaxUnauthenticated {
+		return nil, true
+	}
+	var most []*preauth
+	for _, q := range t.unauthBy {
+		if len(q) > len(most) || (len(q) == len(most) && len(q) > 0 && q[0].since.Before(most[0].since)) {
+			most = q
+		}
+	}
+	if len(most) <= len(t.unauthBy[peer]) {
+		return nil, false
+	}
+	victim = most[0]
+	t.removeUnauthLocked(victim)
+	return victim, true
+}
+
+// addUnauthLocked counts pre as waiting to authenticate. t.mu is held.
+func (t *Target) addUnauthLocked(pre *preauth) {
+	t.unauth++
+	t.unauthBy[pre.peer] = append(t.unauthBy[pre.peer], pre)
+	t.m.unauthSessions.Set(float64(t.unauth))
+}
+
+// removeUnauthLocked stops counting pre, once. t.mu is held.
+func (t *Target) removeUnauthLocked(pre *preauth) {
+	if pre.gone {
+		return
+	}
+	pre.gone = true
+	t.unauth--
+	t.m.unauthSessions.Set(float64(t.unauth))
+	q := t.unauthBy[pre.peer]
+	for i, o := range q {
+		if o == pre {
+			q = append(q[:i], q[i+1:]...)
+			break
+		}
+	}
+	if len(q) == 0 {
+		delete(t.unauthBy, pre.peer)
+	} else {
+		t.unauthBy[pre.peer] = q
+	}
+}
+
+// droppedBeforeConnect counts and logs a stream the listener dropped
+// before its connect request came (transport.HandshakeLimits.Dropped).
+func (t *Target) droppedBeforeConnect(reason transport.DropReason, remote string) {
+	peer := peerHost(remote)
+	log := t.logLimit.limited(t.log, peer)
+	switch reason {
+	case transport.DropTimeout:
+		t.m.authFailures.WithLabelValues("timeout").Inc()
+		log.Warn("closing a connection that did not authenticate in time", zap.String("peer", remote),
+			zap.Duration("timeout", t.opts.HandshakeTimeout), zap.String("stage", "connect request"))
+	case transport.DropLimit:
+		t.m.refused.WithLabelValues("unauthenticated_limit").Inc()
+		log.Warn("session refused: too many connections waiting to authenticate", zap.String("peer", remote),
+			zap.Int("limit", t.opts.MaxUnauthenticated), zap.String("stage", "connect request"))
+	case transport.DropEvicted:
+		t.m.refused.WithLabelValues("unauthenticated_evicted").Inc()
+		log.Warn("closing a connection that has not authenticated: too many connections wait to authenticate, the most from its address",
+			zap.String("peer", remote), zap.Int("limit", t.opts.MaxUnauthenticated), zap.String("stage", "connect request"))
+	}
+}
+
+func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest, pre *preauth) {
 	t.mu.Lock()
 	t.nextID++
 	id := t.nextID
 	t.mu.Unlock()
-	s := &session{t: t, id: id, ready: make(chan struct{}), ended: make(chan struct{}),
+	s := &session{t: t, id: id, ready: make(chan struct{}), ended: make(chan struct{}), pre: pre,
 		handles: make(map[uint32]*openVol), grants: make(map[chunkKey]*chunk), peer: peerHost(req.RemoteAddr())}
 	s.log = t.log.With(zap.Uint64("session", id), zap.String("peer", req.RemoteAddr()))
+	s.noisy = t.logLimit.limited(s.log, s.peer)
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	s.penaltyEnd.Store(t.penaltyOf(s.peer))
-	l, err := link.Accept(ctx, req, link.Options{Handler: s.handle, Logger: s.log, KeepAlive: max(t.opts.KeepAlive, 0)})
+	// The handshake timeout runs from the connection's accept.
+	deadline := pre.since.Add(t.opts.HandshakeTimeout)
+	actx, acancel := context.WithDeadline(ctx, deadline)
+	l, err := link.Accept(actx, req, link.Options{Handler: s.handle, Logger: s.log, KeepAlive: max(t.opts.KeepAlive, 0)})
+	timedOut := actx.Err() == context.DeadlineExceeded
+	acancel()
 	if err != nil {
 		close(s.ended)
 		s.cancel()
-		s.log.Warn("session refused", zap.Error(err))
+		if timedOut {
+			t.m.authFailures.WithLabelValues("timeout").Inc()
+		}
+		s.noisy.Warn("session refused", zap.Error(err))
 		return
 	}
 	s.link = l
@@ -345,18 +571,19 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	t.m.sessions.Inc()
 	t.m.sessionsTotal.Inc()
 	close(s.ready)
-	s.log.Info("session started", zap.String("local", l.Conn().LocalAddr()))
+	s.noisy.Info("session started", zap.String("local", l.Conn().LocalAddr()))
 	// A connection that does not authenticate in time is closed.
-	handshake := time.AfterFunc(t.opts.HandshakeTimeout, func() {
+	handshake := time.AfterFunc(time.Until(deadline), func() {
 		s.mu.Lock()
 		st := s.state
-		if st == stateNew || st == stateChallenged {
+		if st != stateReady && st != stateRefused {
 			s.state = stateRefused
 		}
 		s.mu.Unlock()
-		if st == stateNew || st == stateChallenged {
+		if st != stateReady && st != stateRefused {
 			t.m.authFailures.WithLabelValues("timeout").Inc()
-			s.log.Warn("closing a connection that did not authenticate in time", zap.Duration("timeout", t.opts.HandshakeTimeout))
+			s.noisy.Warn("closing a connection that did not authenticate in time", zap.Duration("timeout", t.opts.HandshakeTimeout),
+				zap.Duration("since_accept", time.Since(pre.since)))
 			l.Close()
 		}
 	})
@@ -371,7 +598,9 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	s.end()
 	t.mu.Lock()
 	delete(t.sessions, s)
+	authenticated := s.counted
 	if s.counted {
+		t.authed--
 		if t.perHost[s.countedHost]--; t.perHost[s.countedHost] <= 0 {
 			delete(t.perHost, s.countedHost)
 			t.m.hostSessions.DeleteLabelValues(s.countedHost)
@@ -383,7 +612,7 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	t.m.sessions.Dec()
 	t.progress.Add(1)
 	reason := l.Err()
-	s.log.Info("session ended", zap.NamedError("reason", reason))
+	s.noisy.Info("session ended", zap.NamedError("reason", reason), zap.Bool("authenticated", authenticated))
 }
 
 // Close shuts the target down cleanly: it refuses new sessions, tells every
@@ -746,14 +975,28 @@ func (id ident) describe() string {
 	return fmt.Sprintf("host %q", id.host)
 }
 
-// admitHost counts s as a session of host, within MaxSessionsPerHost.
+// admitHost counts s as an authenticated session of host, within
+// MaxSessions and MaxSessionsPerHost, once its proof was accepted (or, on
+// a target without keys, once the host named itself); the session's end
+// gives it back. It is no longer counted as waiting to authenticate.
 func (t *Target) admitHost(s *session, host string) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.perHost[host] >= t.opts.MaxSessionsPerHost {
+	switch {
+	case s.counted:
+		return fmt.Errorf("session %d counted twice (a bug): %w", s.id, protocol.ErrProtocol)
+	case s.pre.gone:
+		// Closed to make room for others (makeRoomLocked).
+		return fmt.Errorf("too many connections wait to authenticate, the most from your address: %w", protocol.ErrBusy)
+	case t.authed >= t.opts.MaxSessions:
+		t.m.refused.WithLabelValues("session_limit").Inc()
+		return fmt.Errorf("too many sessions on the target (limit %d): %w", t.opts.MaxSessions, protocol.ErrBusy)
+	case t.perHost[host] >= t.opts.MaxSessionsPerHost:
 		t.m.refused.WithLabelValues("host_session_limit").Inc()
 		return fmt.Errorf("host %q has %d sessions, the most one host may have: %w", host, t.perHost[host], protocol.ErrBusy)
 	}
+	t.removeUnauthLocked(s.pre)
+	t.authed++
 	t.perHost[host]++
 	t.m.hostSessions.WithLabelValues(host).Set(float64(t.perHost[host]))
 	s.countedHost, s.counted = host, true

@@ -76,6 +76,7 @@ type serveFlags struct {
 	authFile, targetID                    string
 	allowUnauthenticated                  bool
 	maxSessions, maxSessionsPerHost       int
+	maxUnauthenticated, maxHandles        int
 	handshakeTimeout                      time.Duration
 
 	keepAlive, revokeTimeout, drainTimeout, drainLimit time.Duration
@@ -114,7 +115,10 @@ encrypted: use a storage network you trust.`,
 	fl.StringVar(&f.targetID, "target-id", "", "this target's name in the authentication (default: the host name)")
 	fl.IntVar(&f.maxSessions, "max-sessions", target.DefaultMaxSessions, "most initiator sessions at once")
 	fl.IntVar(&f.maxSessionsPerHost, "max-sessions-per-host", target.DefaultMaxSessionsPerHost, "most sessions of one host ID at once")
+	fl.IntVar(&f.maxUnauthenticated, "max-unauthenticated", target.DefaultMaxUnauthenticated,
+		"most connections waiting to authenticate, apart from --max-sessions (more from the address that holds the most are refused at once)")
 	fl.DurationVar(&f.handshakeTimeout, "handshake-timeout", target.DefaultHandshakeTimeout, "close a connection that has not authenticated this long after it connected")
+	fl.IntVar(&f.maxHandles, "max-handles-per-session", target.DefaultMaxHandlesPerSession, "most volumes one session has open at once")
 	fl.StringVar(&f.transport, "transport", "auto", "transport: "+providers.Names)
 	fl.StringArrayVar(&f.exports, "export", nil, "export NAME=PATH[,ro][,size=BYTES][,shared][,allow=ID1:ID2] (repeatable; size= creates a sparse file "+
 		"if PATH does not exist; shared: several hosts may write at once; allow=: only these host IDs)")
@@ -201,6 +205,7 @@ func serve(f serveFlags) error {
 	t, err := target.New(target.Options{Exports: exports, CacheSize: cacheSize, ChunkSize: int(chunkSize),
 		KeepAlive: keepAlive, RevokeTimeout: f.revokeTimeout, DrainTimeout: f.drainTimeout, DrainLimit: f.drainLimit,
 		Auth: keys, TargetID: f.targetID, MaxSessions: f.maxSessions, MaxSessionsPerHost: f.maxSessionsPerHost,
+		MaxUnauthenticated: f.maxUnauthenticated, MaxHandlesPerSession: f.maxHandles,
 		HandshakeTimeout: f.handshakeTimeout, Logger: log, Registerer: reg})
 	if err != nil {
 		return err

@@ -200,4 +200,14 @@
 // absurd length, a sequence number out of order or anything else that makes
 // no sense breaks that connection (never the process or other connections).
 // A stream whose first frame is not a CONNECT is dropped by the listener.
+//
+// Until its CONNECT is read a stream is the listener's alone, invisible to
+// its owner, so the listener bounds such streams itself
+// (transport.HandshakeLimiter, Options.HandshakeTimeout and
+// Options.MaxPendingHandshakes): a stream has HandshakeTimeout from its
+// accept until Accept hands its request out (ConnRequest.AcceptedAt tells
+// the owner when that was, so that its own timeout runs from there too);
+// beyond MaxPendingHandshakes waiting streams, a new one is closed at once
+// if its address holds the most of them, else it takes the place of the
+// oldest stream of the address that does.
 package tcp

@@ -32,8 +32,18 @@ type Options struct {
 	// (default 5s).
 	RNRTimeout time.Duration
 	// HandshakeTimeout bounds how long the listener waits for the connect
-	// request of a new stream (default 10s).
+	// request of a new stream, from its accept until Accept returns it
+	// (default 10s). The listener's owner may change it
+	// (transport.HandshakeLimiter).
 	HandshakeTimeout time.Duration
+	// MaxPendingHandshakes bounds the streams whose connect request the
+	// listener awaits (default 128; see transport.HandshakeLimits for what
+	// happens beyond it). The listener's owner may change it.
+	MaxPendingHandshakes int
+	// LocalAddr, if set, is the local address Dial connects from
+	// ("HOST:0" picks a port): a host with several addresses, or a test
+	// that plays several hosts.
+	LocalAddr string
 	// Logger gets the temporary accept errors the listener retries (warn).
 	// Default: no logging.
 	Logger *zap.Logger
@@ -59,11 +69,18 @@ func (o Options) withDefaults() Options {
 	if o.HandshakeTimeout <= 0 {
 		o.HandshakeTimeout = 10 * time.Second
 	}
+	if o.MaxPendingHandshakes <= 0 {
+		o.MaxPendingHandshakes = DefaultMaxPendingHandshakes
+	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
 	return o
 }
+
+// DefaultMaxPendingHandshakes is the default of
+// Options.MaxPendingHandshakes.
+const DefaultMaxPendingHandshakes = 128
 
 // Provider is the software provider. It implements transport.Provider.
 type Provider struct {
@@ -114,6 +131,16 @@ func (p *Provider) dial(ctx context.Context, addr string, privateData []byte) (*
 		return nil, fmt.Errorf("private data of %d bytes exceeds %d", len(privateData), MaxConnectPrivateData)
 	}
 	var d net.Dialer
+	if p.opts.LocalAddr != "" {
+		if p.network == "unix" {
+			return nil, errors.New("a local address is for tcp networks only")
+		}
+		la, err := net.ResolveTCPAddr(p.network, p.opts.LocalAddr)
+		if err != nil {
+			return nil, fmt.Errorf("local address: %w", err)
+		}
+		d.LocalAddr = la
+	}
 	nc, err := d.DialContext(ctx, p.network, addr)
 	if err != nil {
 		return nil, err
@@ -193,9 +220,9 @@ func writeControl(w io.Writer, t frameType, status uint8, imm uint32, privateDat
 }
 
 // readControl reads a connection management frame into h and returns its
-// private data.
-func readControl(br *bufio.Reader, h *header) ([]byte, error) {
-	if _, err := io.ReadFull(br, h[:]); err != nil {
+// private data. It reads no byte past the frame from r.
+func readControl(r io.Reader, h *header) ([]byte, error) {
+	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return nil, err
 	}
 	if err := h.check(); err != nil {
@@ -210,7 +237,7 @@ func readControl(br *bufio.Reader, h *header) ([]byte, error) {
 		return nil, fmt.Errorf("%v private data of %d bytes", h.typ(), h.length())
 	}
 	pd := make([]byte, h.length())
-	if _, err := io.ReadFull(br, pd); err != nil {
+	if _, err := io.ReadFull(r, pd); err != nil {
 		return nil, err
 	}
 	return pd, nil
@@ -246,14 +273,17 @@ func (p *Provider) listen(ctx context.Context, addr string) (*listener, error) {
 // newListener starts accepting on nl.
 func (p *Provider) newListener(nl net.Listener) *listener {
 	l := &listener{
-		p:       p,
-		nl:      nl,
-		addr:    nl.Addr().String(),
-		reqs:    make(chan *connRequest),
-		closing: make(chan struct{}),
-		failed:  make(chan struct{}),
-		shaking: make(map[net.Conn]struct{}),
-		pending: make(map[*connRequest]struct{}),
+		p:          p,
+		nl:         nl,
+		addr:       nl.Addr().String(),
+		reqs:       make(chan *connRequest),
+		closing:    make(chan struct{}),
+		failed:     make(chan struct{}),
+		timeout:    p.opts.HandshakeTimeout,
+		maxPending: p.opts.MaxPendingHandshakes,
+		shaking:    make(map[net.Conn]*shake),
+		byPeer:     make(map[string][]*shake),
+		pending:    make(map[*connRequest]struct{}),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
@@ -299,9 +329,64 @@ type listener struct {
 	failed    chan struct{}
 	acceptErr error
 
-	mu      sync.Mutex
-	shaking map[net.Conn]struct{}     // streams whose connect request is awaited
-	pending map[*connRequest]struct{} // requests returned by Accept, not yet answered
+	mu sync.Mutex
+	// The limits on streams whose connect request is awaited (see
+	// transport.HandshakeLimits).
+	timeout    time.Duration
+	maxPending int
+	dropped    func(transport.DropReason, string)
+	shaking    map[net.Conn]*shake       // streams whose connect request is awaited
+	byPeer     map[string][]*shake       // the same, by peer address, oldest first
+	pending    map[*connRequest]struct{} // requests returned by Accept, not yet answered
+}
+
+// shake is a stream whose connect request the listener awaits.
+type shake struct {
+	nc    net.Conn
+	peer  string    // the peer's address without the port
+	since time.Time // its accept
+	gone  bool      // left shaking (l.mu)
+}
+
+var _ transport.HandshakeLimiter = (*listener)(nil)
+
+// LimitHandshakes sets the timeout and the bound of streams whose connect
+// request is awaited; they apply to those waiting now as well: the
+// timeout from their accept, and the bound by closing the streams beyond
+// it that it would have refused (the newest of the address that holds the
+// most).
+func (l *listener) LimitHandshakes(lim transport.HandshakeLimits) {
+	l.mu.Lock()
+	if lim.Timeout > 0 {
+		l.timeout = lim.Timeout
+		for _, sh := range l.shaking {
+			sh.nc.SetReadDeadline(sh.since.Add(l.timeout))
+		}
+	}
+	if lim.MaxPending > 0 {
+		l.maxPending = lim.MaxPending
+	}
+	l.dropped = lim.Dropped
+	var over []*shake
+	for len(l.shaking) > l.maxPending {
+		var most []*shake
+		for _, q := range l.byPeer {
+			if len(q) > len(most) {
+				most = q
+			}
+		}
+		sh := most[len(most)-1]
+		l.removeLocked(sh)
+		over = append(over, sh)
+	}
+	dropped := l.dropped
+	l.mu.Unlock()
+	for _, sh := range over {
+		sh.nc.Close()
+		if dropped != nil {
+			dropped(transport.DropLimit, sh.nc.RemoteAddr().String())
+		}
+	}
 }
 
 func (l *listener) Addr() string { return l.addr }
@@ -422,6 +507,8 @@ func (l *listener) acceptLoop() {
 			return
 		}
 		backoff = 0
+		now := time.Now()
+		sh := &shake{nc: nc, peer: peerOf(nc.RemoteAddr()), since: now}
 		l.mu.Lock()
 		select {
 		case <-l.closing:
@@ -430,22 +517,103 @@ func (l *listener) acceptLoop() {
 			return
 		default:
 		}
-		l.shaking[nc] = struct{}{}
-		l.wg.Add(1)
+		victim, admit := l.makeRoomLocked(sh.peer)
+		dropped := l.dropped
+		if admit {
+			l.addLocked(sh)
+			l.wg.Add(1)
+		}
 		l.mu.Unlock()
-		go l.handshake(nc)
+		if victim != nil {
+			victim.nc.Close()
+			if dropped != nil {
+				dropped(transport.DropEvicted, victim.nc.RemoteAddr().String())
+			}
+		}
+		if !admit {
+			nc.Close()
+			if dropped != nil {
+				dropped(transport.DropLimit, nc.RemoteAddr().String())
+			}
+			continue
+		}
+		go l.handshake(sh)
+	}
+}
+
+// peerOf is the host part of a stream's remote address: what the bound on
+// waiting streams counts by.
+func peerOf(a net.Addr) string {
+	s := a.String()
+	if h, _, err := net.SplitHostPort(s); err == nil {
+		return h
+	}
+	return s
+}
+
+// makeRoomLocked decides whether a new stream from peer may wait for its
+// connect request: yes while fewer than maxPending wait; beyond, only if
+// another address holds more waiting streams than peer does, whose oldest
+// is then the victim (taken out of shaking here; the caller closes it).
+// l.mu is held.
+func (l *listener) makeRoomLocked(peer string) (victim *shake, admit bool) {
+	if len(l.shaking) < l.maxPending {
+		return nil, true
+	}
+	var most []*shake
+	for _, q := range l.byPeer {
+		if len(q) > len(most) || (len(q) == len(most) && len(q) > 0 && q[0].since.Before(most[0].since)) {
+			most = q
+		}
+	}
+	if len(most) <= len(l.byPeer[peer]) {
+		return nil, false
+	}
+	victim = most[0]
+	l.removeLocked(victim)
+	return victim, true
+}
+
+// addLocked records sh as waiting. l.mu is held.
+func (l *listener) addLocked(sh *shake) {
+	l.shaking[sh.nc] = sh
+	l.byPeer[sh.peer] = append(l.byPeer[sh.peer], sh)
+}
+
+// removeLocked takes sh out of the waiting streams, once. l.mu is held.
+func (l *listener) removeLocked(sh *shake) {
+	if sh.gone {
+		return
+	}
+	sh.gone = true
+	delete(l.shaking, sh.nc)
+	q := l.byPeer[sh.peer]
+	for i, o := range q {
+		if o == sh {
+			q = append(q[:i], q[i+1:]...)
+			break
+		}
+	}
+	if len(q) == 0 {
+		delete(l.byPeer, sh.peer)
+	} else {
+		l.byPeer[sh.peer] = q
 	}
 }
 
 // handshake reads the connect request of a new stream and hands it to
-// Accept. A stream that sends anything else is dropped.
-func (l *listener) handshake(nc net.Conn) {
+// Accept, within the handshake timeout from the stream's accept. A stream
+// that sends anything else is dropped.
+func (l *listener) handshake(sh *shake) {
 	defer l.wg.Done()
+	nc := sh.nc
 	keep := false
-	forget := func() {
+	forget := func() (evicted bool) {
 		l.mu.Lock()
-		delete(l.shaking, nc)
-		l.mu.Unlock()
+		defer l.mu.Unlock()
+		evicted = sh.gone
+		l.removeLocked(sh)
+		return evicted
 	}
 	defer func() {
 		if !keep {
@@ -453,43 +621,83 @@ func (l *listener) handshake(nc net.Conn) {
 			nc.Close()
 		}
 	}()
-	if err := nc.SetReadDeadline(time.Now().Add(l.p.opts.HandshakeTimeout)); err != nil {
+	l.mu.Lock()
+	deadline := sh.since.Add(l.timeout)
+	err := nc.SetReadDeadline(deadline)
+	l.mu.Unlock()
+	if err != nil {
 		return
+	}
+	// Read from the stream itself, exactly the frame: a stream that never
+	// sends its connect request costs no read buffer.
+	var h header
+	pd, err := readControl(nc, &h)
+	if err != nil {
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() && !forget() {
+			l.mu.Lock()
+			dropped := l.dropped
+			l.mu.Unlock()
+			if dropped != nil {
+				dropped(transport.DropTimeout, nc.RemoteAddr().String())
+			}
+		}
+		return
+	}
+	if h.typ() != frameConnect || h.status() != version || len(pd) > MaxConnectPrivateData || h.imm() == 0 {
+		return
+	}
+	// Once handed to Accept the stream is the owner's: Close must not
+	// close it any more, nor LimitHandshakes set its deadline. Until then
+	// it waits at most until its deadline.
+	l.mu.Lock()
+	evicted := sh.gone
+	l.removeLocked(sh)
+	deadline = sh.since.Add(l.timeout)
+	err = nc.SetReadDeadline(time.Time{})
+	l.mu.Unlock()
+	if evicted || err != nil {
+		return // evicted meanwhile: closed already
 	}
 	br := bufio.NewReaderSize(nc, readBufferSize)
-	var h header
-	pd, err := readControl(br, &h)
-	if err != nil || h.typ() != frameConnect || h.status() != version || len(pd) > MaxConnectPrivateData || h.imm() == 0 {
-		return
-	}
-	if err := nc.SetReadDeadline(time.Time{}); err != nil {
-		return
-	}
-	r := &connRequest{l: l, nc: nc, br: br, pd: pd, peerReads: int(h.imm()), remote: nc.RemoteAddr().String()}
-	// Once handed to Accept the stream is the owner's: Close must not
-	// close it any more.
-	forget()
+	r := &connRequest{l: l, nc: nc, br: br, pd: pd, peerReads: int(h.imm()), remote: nc.RemoteAddr().String(), acceptedAt: sh.since}
+	wait := time.NewTimer(time.Until(deadline))
+	defer wait.Stop()
 	select {
 	case l.reqs <- r:
 		keep = true
+	case <-wait.C:
+		l.mu.Lock()
+		dropped := l.dropped
+		l.mu.Unlock()
+		if dropped != nil {
+			dropped(transport.DropTimeout, r.remote)
+		}
 	case <-l.closing:
 	}
 }
 
 type connRequest struct {
-	l         *listener
-	nc        net.Conn
-	br        *bufio.Reader
-	pd        []byte
-	peerReads int
-	remote    string
+	l          *listener
+	nc         net.Conn
+	br         *bufio.Reader
+	pd         []byte
+	peerReads  int
+	remote     string
+	acceptedAt time.Time // the stream's accept
 
 	mu       sync.Mutex
 	done     bool
 	prepared *conn // of Prepare, not started until accepted
 }
 
+var _ transport.AcceptTimer = (*connRequest)(nil)
+
 func (r *connRequest) PrivateData() []byte { return r.pd }
+
+// AcceptedAt is when the listener accepted the request's stream, before it
+// read the connect request.
+func (r *connRequest) AcceptedAt() time.Time { return r.acceptedAt }
 
 // Prepare makes the connection of the request without starting it: it
 // takes registrations and receives, which the reader finds once Accept
