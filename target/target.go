@@ -290,7 +290,7 @@ func New(opts Options) (*Target, error) {
 	t := &Target{opts: opts, log: opts.Logger, m: NewMetrics(opts.Registerer), instance: binary.BigEndian.Uint64(inst[:]) | 1,
 		volumes: make(map[string]*volume), sessions: make(map[*session]struct{}),
 		idents: make(map[ident]identEntry), probes: make(map[ident]*probe), perHost: make(map[string]int), penalties: make(map[string]time.Time),
-		admin: newAdminLock(),
+		admin:    newAdminLock(),
 		unauthBy: make(map[string][]*preauth), peerFails: newBuckets(opts.FailedAuthPerPeer, maxFailKeys),
 		hostFails: newBuckets(opts.FailedAuthPerHost, maxFailKeys)}
 	t.logLimit = newLogLimiter(opts.LogLimit, t.m.logSuppressed)
