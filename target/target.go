@@ -293,7 +293,7 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest) {
 	id := t.nextID
 	t.mu.Unlock()
 	s := &session{t: t, id: id, ready: make(chan struct{}), ended: make(chan struct{}),
-		handles: make(map[uint32]*openVol), grants: make(map[chunkKey]*chunk), peer: peerHost(req.RemoteAddr())}
+		handles: make(map[uint32]*openVol), peer: peerHost(req.RemoteAddr())}
 	s.log = t.log.With(zap.Uint64("session", id), zap.String("peer", req.RemoteAddr()))
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	s.penaltyEnd.Store(t.penaltyOf(s.peer))
