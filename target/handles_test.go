@@ -358,3 +358,33 @@ func TestSlowInitiatorKeepsSession(t *testing.T) {
 		t.Fatalf("%v revoke timeouts for an initiator that answered within %v", n, revokeTTL)
 	}
 }
+
+// TestSecondWriterHandleKeepsExclusivity: a session with two read-write
+// handles of an exclusive export closes one; it still writes through the
+// other, so another host's read-write open is refused (busy), and a
+// takeover fences the session. (Before, closing the handle the target
+// remembered as the export's writer forgot the writer altogether: another
+// host opened read-write beside the open handle, two writers.)
+func TestSecondWriterHandleKeepsExclusivity(t *testing.T) {
+	e := fenceEnv(t, false)
+	a, err := e.openAs("host-a", nil, protocol.ModeReadWrite, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := openMore(t, a, "host-a", protocol.ModeReadWrite)
+	ctx := context.Background()
+	if err := a.Request(ctx, &protocol.Close{Handle: second.Handle}, &protocol.OK{}); err != nil {
+		t.Fatal(err)
+	}
+	g := grantOn(t, a, a.info.Handle, 0, true)
+	if _, err := e.openAs("host-b", nil, protocol.ModeReadWrite, 0); !errors.Is(err, protocol.ErrBusy) {
+		t.Fatalf("host B's read-write open while host A keeps a read-write handle: %v, want ErrBusy", err)
+	}
+	if _, err := e.openAs("host-b", nil, protocol.ModeReadWrite, protocol.OpenTakeover); err != nil {
+		t.Fatalf("host B's takeover: %v", err)
+	}
+	waitDown(t, a.Link, "host A taken over")
+	if err := rdmaWithin(a, true, g, 0, []byte("A after takeover")); err == nil {
+		t.Fatal("host A wrote after the takeover")
+	}
+}

@@ -607,6 +607,20 @@ func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua boo
 	return nil
 }
 
+// writerLike returns another read-write handle the session has open, of
+// ov's identity and not fenced, or nil. Target.mu may be held (it is taken
+// before s.mu).
+func (s *session) writerLike(ov *openVol) *openVol {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, o := range s.handles {
+		if o != ov && o.writable && o.ident == ov.ident && !o.fenced.Load() {
+			return o
+		}
+	}
+	return nil
+}
+
 // closeHandle takes back the grants of handle (ov), which the session
 // just closed (it left s.handles), and only those: another handle of the
 // session, of the same volume or not, keeps its own. The handle's Dones

@@ -599,7 +599,13 @@ func (t *Target) forget(s *session, ov *openVol) {
 	}
 	t.mu.Lock()
 	if e, ok := t.idents[ov.ident]; ok && e.s == s && e.ov == ov {
-		delete(t.idents, ov.ident)
+		// Another read-write handle of the session and export keeps the
+		// identity, and the export's writer, until it closes too.
+		if next := s.writerLike(ov); next != nil {
+			t.idents[ov.ident] = identEntry{s: s, ov: next}
+		} else {
+			delete(t.idents, ov.ident)
+		}
 	}
 	t.mu.Unlock()
 }
