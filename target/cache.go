@@ -198,6 +198,12 @@ func (c *cache) get(ctx context.Context, s *session, handle uint32, v *volume, i
 	defer c.mu.Unlock()
 	var ev *eviction // the eviction this call started last
 	var started time.Time
+	waiting := false // counted in the table's waiting grants
+	defer func() {
+		if waiting {
+			c.tbl.wait(s, false) // (c.mu is still held: deferred after its unlock)
+		}
+	}()
 	for {
 		if err := ctx.Err(); err != nil {
 			return nil, nil, err
@@ -220,6 +226,10 @@ func (c *cache) get(ctx context.Context, s *session, handle uint32, v *volume, i
 			}
 			continue
 		case acquireFull:
+			if !waiting && s != nil {
+				waiting = true
+				c.tbl.wait(s, true)
+			}
 			if ev != nil && ev.finished && ev.err != nil {
 				return nil, nil, ev.err
 			}
@@ -326,7 +336,12 @@ func (c *cache) evict(ch *chunk) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			h.s.revoke(c.ctx, h, c.revokeTTL)
+			c.mu.Lock()
+			live := c.tbl.holds(h)
+			c.mu.Unlock()
+			if live { // (else its handle closed, or its session ended, meanwhile)
+				h.s.revoke(c.ctx, h, c.revokeTTL)
+			}
 		}()
 	}
 	wg.Wait()

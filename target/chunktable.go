@@ -32,6 +32,7 @@ import (
 //
 //	absent    acquire, a slot free      -> loading   acquireLoad (pinned)
 //	absent    acquire, no slot free     -> absent    acquireFull: victim, or wait
+//	absent    acquire, at its share     -> absent    acquireFull, while another group waits
 //	loading   acquire                   -> loading   acquireWaitLoad
 //	loading   loaded                    -> ready     (new generation, LRU front)
 //	loading   loadFailed                -> absent    (slot free again)
@@ -59,7 +60,9 @@ import (
 // shared equally by the groups with an open handle; a group's share is a
 // quarter of that while it is penalized (one of its sessions did not answer
 // a revoke in time). A group at or over its share gives up one of its own
-// chunks when it needs another; otherwise the least recently granted
+// chunks when it needs another (and takes no free slot while another group
+// waits for one: the slots others' evictions free are theirs); otherwise
+// the least recently granted
 // unpinned chunk goes, preferring one whose holders' groups have no revoke
 // outstanding for longer than patience (slow holders). Neither shortens the
 // time a holder has to answer a revoke: that is the cache's revoke
@@ -78,6 +81,7 @@ type chunkTable struct {
 	sessions map[*session]*tableSession
 	groups   map[shareKey]*shareGroup
 	shares   int // groups with an open handle
+	waiting  int // grants waiting for a slot (see wait)
 }
 
 // shareKey names a share group: a host ID, or an anonymous session.
@@ -94,6 +98,7 @@ type shareGroup struct {
 	held     int       // chunks a handle of the group holds a grant of
 	revoking []*holder // its holders with a revoke outstanding
 	penalty  time.Time // until when its share is cut
+	waiting  int       // its grants waiting for a slot
 }
 
 // tableSession is a session as the table knows it: from its first handle
@@ -103,6 +108,7 @@ type tableSession struct {
 	handles map[uint32]bool      // open handles: writable
 	holders map[*holder]struct{} // its grants
 	fenced  bool
+	waiting int // its grants waiting for a slot
 }
 
 // holder is a grant: a key to a chunk's memory that works only through
@@ -233,11 +239,29 @@ func (t *chunkTable) endSession(s *session) []*holder {
 			t.shares--
 		}
 	}
+	g.waiting -= ts.waiting
+	t.waiting -= ts.waiting
 	delete(t.sessions, s)
 	if g.sessions--; g.sessions == 0 {
 		delete(t.groups, g.key)
 	}
 	return out
+}
+
+// wait records that a grant of s starts (waiting) or stops waiting for a
+// slot: from its first acquireFull until it returns, whichever way.
+func (t *chunkTable) wait(s *session, waiting bool) {
+	ts := t.sessions[s]
+	if ts == nil {
+		return
+	}
+	d := 1
+	if !waiting {
+		d = -1
+	}
+	ts.waiting += d
+	ts.group.waiting += d
+	t.waiting += d
 }
 
 // penalize cuts the share of s's group until until.
@@ -330,11 +354,16 @@ type acquireStep struct {
 }
 
 // acquire asks for chunk key, of length n at its volume's current size,
-// for handle of s (s may be nil: no grant is looked up).
+// for handle of s (s may be nil: no grant is looked up). A free slot does
+// not go to a group at or over its share while another group's grant waits
+// for one (see wait): that group gives up a chunk of its own instead.
 func (t *chunkTable) acquire(key chunkKey, n uint64, s *session, handle uint32) acquireStep {
 	ch := t.chunks[key]
 	if ch == nil {
 		if len(t.free) == 0 {
+			return acquireStep{kind: acquireFull}
+		}
+		if ts := t.sessions[s]; s != nil && ts != nil && t.waiting > ts.group.waiting && ts.group.held >= t.share(ts.group) {
 			return acquireStep{kind: acquireFull}
 		}
 		slot := t.free[len(t.free)-1]
@@ -435,6 +464,9 @@ func (t *chunkTable) dropHolder(h *holder) bool {
 	t.removeHolder(h.ch, i)
 	return true
 }
+
+// holds reports whether h is still in the table.
+func (t *chunkTable) holds(h *holder) bool { return slices.Contains(h.ch.holders, h) }
 
 // leak takes ch's slot out of use for good: a key over it could not be
 // released, and may still reach it.

@@ -20,8 +20,9 @@ import (
 //     handle and chunk, and listed in its session's holders (and back);
 //   - a group's held is the number of chunks a holder of it has, its
 //     handles the open handles of its sessions, its revoking the holders
-//     of it with a revoke outstanding; shares is the number of groups with
-//     an open handle.
+//     of it with a revoke outstanding, its waiting its sessions' grants
+//     waiting for a slot (in all, the table's); shares is the number of
+//     groups with an open handle.
 func (t *chunkTable) check() error {
 	var errs []error
 	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
@@ -140,9 +141,16 @@ func (t *chunkTable) check() error {
 	}
 	handles := make(map[*shareGroup]int)
 	sessions := make(map[*shareGroup]int)
+	waiting := make(map[*shareGroup]int)
+	total := 0
 	for s, ts := range t.sessions {
 		handles[ts.group] += len(ts.handles)
 		sessions[ts.group]++
+		if ts.waiting < 0 {
+			fail("session %d: %d grants waiting", s.id, ts.waiting)
+		}
+		waiting[ts.group] += ts.waiting
+		total += ts.waiting
 		if t.groups[ts.group.key] != ts.group {
 			fail("session %d: group %v not in the table", s.id, ts.group.key)
 		}
@@ -166,6 +174,9 @@ func (t *chunkTable) check() error {
 		if g.sessions != sessions[g] || g.sessions == 0 {
 			fail("group %v: %d sessions, the table has %d", k, g.sessions, sessions[g])
 		}
+		if g.waiting != waiting[g] {
+			fail("group %v: %d grants waiting, its sessions %d", k, g.waiting, waiting[g])
+		}
 		if len(g.revoking) != revoking[g] {
 			fail("group %v: %d revokes outstanding, its holders %d", k, len(g.revoking), revoking[g])
 		}
@@ -177,6 +188,9 @@ func (t *chunkTable) check() error {
 		if g.handles > 0 {
 			shares++
 		}
+	}
+	if total != t.waiting {
+		fail("%d grants waiting, the sessions have %d", t.waiting, total)
 	}
 	if shares != t.shares {
 		fail("shares %d, groups with an open handle %d", t.shares, shares)

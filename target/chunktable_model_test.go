@@ -43,6 +43,7 @@ type modelSess struct {
 	host    string
 	handles map[uint32]modelHandle
 	next    uint32
+	waiting int  // its grants waiting for a slot
 	fenced  bool // a later session took over: its grants are gone; it ends soon
 	dropped bool // a revoke of its timed out: its link is closed; it ends soon
 	ended   bool
@@ -254,6 +255,7 @@ func (m *tableModel) end() error {
 	}
 	m.logf("end session %d", ms.s.id)
 	ms.ended = true
+	ms.waiting = 0
 	ms.handles = nil
 	return m.release(m.t.endSession(ms.s))
 }
@@ -307,6 +309,9 @@ func (m *tableModel) grant() error {
 				return fmt.Errorf("chunk loads into slot %d, which key %d of an earlier chunk still reaches", st.ch.slot, k.id)
 			}
 		}
+		if ts := m.t.sessions[ms.s]; ts != nil && m.t.waiting > ts.group.waiting && ts.group.held >= m.t.share(ts.group) {
+			return fmt.Errorf("session %d at its share (%d of %d) took a free slot while another group waits", ms.s.id, ts.group.held, m.t.share(ts.group))
+		}
 		if m.pick(2) == 0 {
 			// The load ends later (finishLoad).
 			m.pins[st.ch]++
@@ -317,6 +322,10 @@ func (m *tableModel) grant() error {
 		m.t.loaded(st.ch) // (its pin is the grant's)
 		st.kind = acquireReady
 	case acquireFull:
+		// The grant waits for a slot (until a later step gives up).
+		m.t.wait(ms.s, true)
+		ms.waiting++
+		m.seen["wait"]++
 		if ch := m.t.victim(ms.s); ch != nil {
 			m.startEviction(ch)
 		}
@@ -396,6 +405,17 @@ func (m *tableModel) finishLoad() {
 	m.logf("load of chunk %d of %s ends", ch.key.idx, ch.key.vol.name)
 	m.t.loaded(ch)
 	m.unpin(ch)
+}
+
+// stopWaiting ends a wait for a slot (the grant got one later, or gave up).
+func (m *tableModel) stopWaiting() {
+	for _, ms := range m.live(true) {
+		if ms.waiting > 0 {
+			ms.waiting--
+			m.t.wait(ms.s, false)
+			return
+		}
+	}
 }
 
 func (m *tableModel) unpinSome() {
@@ -497,8 +517,10 @@ func (m *tableModel) step() error {
 		return m.grant()
 	case x < 62:
 		m.finishLoad()
-	case x < 67:
+	case x < 65:
 		m.unpinSome()
+	case x < 67:
+		m.stopWaiting()
 	case x < 85:
 		return m.revokeStep()
 	case x < 89:
@@ -629,12 +651,13 @@ func TestChunkTableModel(t *testing.T) {
 		// Everything ends: every key is released, every slot free or leaked.
 		for _, ms := range m.live(true) {
 			ms.ended = true
+			ms.waiting = 0
 			ms.handles = nil
 			if err := m.release(m.t.endSession(ms.s)); err != nil {
 				t.Fatalf("seed %d: %v", seed, err)
 			}
 		}
-		if len(m.keyHolder) != 0 || len(m.t.groups) != 0 || m.t.shares != 0 {
+		if len(m.keyHolder) != 0 || len(m.t.groups) != 0 || m.t.shares != 0 || m.t.waiting != 0 {
 			t.Fatalf("seed %d: after every session ended: %d keys, %d groups, %d shares", seed, len(m.keyHolder), len(m.t.groups), m.t.shares)
 		}
 		if err := m.check(); err != nil {
@@ -646,7 +669,7 @@ func TestChunkTableModel(t *testing.T) {
 	}
 	t.Logf("events over %d seeds of %d steps: %v", len(seeds), steps, seen)
 	// The sequences reach what the invariants are about.
-	for _, k := range []string{"grant writable=true", "grant writable=false", "shared chunk", "close with grants", "grant reused", "fence",
+	for _, k := range []string{"grant writable=true", "grant writable=false", "shared chunk", "close with grants", "grant reused", "wait", "fence",
 		"takeover", "busy", "revoke answered", "revoke timeout", "evicted", "refit", "leak"} {
 		if seen[k] == 0 {
 			t.Errorf("no %q in any sequence", k)

@@ -201,6 +201,9 @@ func (h *tableHarness) run(ev string) string {
 		d, _ := time.ParseDuration(w[1])
 		h.clock = h.clock.Add(d)
 		return ""
+	case "wait": // wait SESSION true|false
+		h.t.wait(h.session(w[1]), w[2] == "true")
+		return fmt.Sprintf("waiting %d", h.t.waiting)
 	case "penalize": // penalize SESSION FOR
 		d, _ := time.ParseDuration(w[2])
 		h.t.penalize(h.session(w[1]), h.clock.Add(d))
@@ -440,6 +443,32 @@ func TestChunkTable(t *testing.T) {
 				{"unpin v1", "wake true"},
 				{"share a", "2 held 1"},
 				{"victim q", "v0"},
+			})},
+		{"a group at its share takes no free slot while another waits", steps(
+			[]step{{"open a 1 ro h1", "shares 1"}, {"open b 1 ro h2", "shares 2"}},
+			ready("v0", "a", 1), ready("v1", "a", 1), []step{
+				{"acquire v0 64 a 1", "ready pins 1 gen 1"},
+				{"grant v0 a 1 ro", "added key 1"},
+				{"unpin v0", "wake true"},
+				{"acquire v1 64 a 1", "ready pins 1 gen 2"},
+				{"grant v1 a 1 ro", "added key 2"},
+				{"unpin v1", "wake true"},
+				{"share a", "2 held 2"},
+				{"wait a true", "waiting 1"},
+				{"acquire v2 64 a 1", "load slot 2"}, // only a waits
+				{"loadFailed v2", "free [3 2]"},
+				{"wait b true", "waiting 2"},
+				{"acquire v2 64 a 1", "full"},
+				{"acquire v2 64 b 1", "load slot 2"},
+				{"loaded v2", "gen 3"},
+				{"unpin v2", "wake true"},
+				{"wait b false", "waiting 1"},
+				{"acquire v3 64 a 1", "load slot 3"},
+				{"loaded v3", "gen 4"},
+				{"unpin v3", "wake true"},
+				{"wait b true", "waiting 2"},
+				{"end b", "[]"},
+				{"wait a false", "waiting 0"},
 			})},
 		{"penalty cuts the share for a while", []step{
 			{"open a 1 rw h1", "shares 1"},

@@ -58,6 +58,8 @@ type session struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // request goroutines
 
+	// mu guards the session's handles and their grants' index. Lock
+	// order: Target.mu, then session.mu, then cache.mu.
 	mu      sync.Mutex
 	handles map[uint32]*openVol
 	next    uint32
