@@ -193,22 +193,36 @@ func (c *cache) penalize(s *session, until time.Time) {
 // c.patience it starts another, so a holder slow to answer does not stall
 // the rest.
 func (c *cache) get(ctx context.Context, s *session, handle uint32, v *volume, idx uint64) (*chunk, *holder, error) {
-	key := chunkKey{v, idx}
+	// The common case, a cached chunk, without the slow path's defers.
 	c.mu.Lock()
+	st := c.tbl.acquire(chunkKey{v, idx}, c.chunkLen(v, idx), s, handle)
+	if st.kind == acquireReady {
+		c.mu.Unlock()
+		return st.ch, st.holder, nil
+	}
 	defer c.mu.Unlock()
+	return c.getSlow(ctx, s, handle, v, idx, st)
+}
+
+// getSlow is get once the chunk was not ready: st is the table's first
+// answer. c.mu is held.
+func (c *cache) getSlow(ctx context.Context, s *session, handle uint32, v *volume, idx uint64, st acquireStep) (*chunk, *holder, error) {
+	key := chunkKey{v, idx}
 	var ev *eviction // the eviction this call started last
 	var started time.Time
 	waiting := false // counted in the table's waiting grants
 	defer func() {
 		if waiting {
-			c.tbl.wait(s, false) // (c.mu is still held: deferred after its unlock)
+			c.tbl.wait(s, false)
 		}
 	}()
-	for {
+	for first := true; ; first = false {
 		if err := ctx.Err(); err != nil {
 			return nil, nil, err
 		}
-		st := c.tbl.acquire(key, c.chunkLen(v, idx), s, handle)
+		if !first {
+			st = c.tbl.acquire(key, c.chunkLen(v, idx), s, handle)
+		}
 		switch st.kind {
 		case acquireReady:
 			return st.ch, st.holder, nil
