@@ -39,7 +39,8 @@ import (
 //	ready     acquire, same length      -> ready     acquireReady (pinned, LRU front)
 //	ready     acquire, length changed   -> evicting  acquireRefit, if unpinned: evict it
 //	ready     acquire, length changed   -> ready     acquireWait, while pinned
-//	ready     victim, refit, volumeVictim -> evicting (unpinned only)
+//	ready     victim, refit,            -> evicting  (unpinned only)
+//	          volumeVictim
 //	evicting  acquire                   -> evicting  acquireWait
 //	evicting  revoking                  -> evicting  (the holders to revoke, their clocks started)
 //	evicting  evicted                   -> absent    (slot free, unless leaked)
@@ -62,11 +63,13 @@ import (
 // a revoke in time). A group at or over its share gives up one of its own
 // chunks when it needs another (and takes no free slot while another group
 // waits for one: the slots others' evictions free are theirs); otherwise
-// the least recently granted
-// unpinned chunk goes, preferring one whose holders' groups have no revoke
-// outstanding for longer than patience (slow holders). Neither shortens the
-// time a holder has to answer a revoke: that is the cache's revoke
-// timeout, the same for every holder.
+// the least recently granted unpinned chunk goes, preferring one whose
+// holders' groups have no revoke outstanding for longer than patience (slow
+// holders). Neither shortens the time a holder has to answer a revoke: that
+// is the cache's revoke timeout, the same for every holder.
+//
+// The waits of the cache are counted here too (wait): from a grant's first
+// acquireFull until it returns.
 type chunkTable struct {
 	slots    int
 	patience time.Duration
