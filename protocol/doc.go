@@ -124,27 +124,38 @@
 //     same chunk. Volume byte Grant.Offset+i is at remote address Addr+i. With
 //     GrantWrite the region is writable; without, only RDMA READ may use it.
 //     The initiator keeps the grants it got and reuses them until revoked.
+//   - A grant belongs to the handle it was asked under, and has that
+//     handle's access: a read-only handle's grant is never writable, even
+//     if the connection holds a writable grant of the same chunk under
+//     another handle; two handles of one connection get two grants (two
+//     rkeys) of a chunk if both ask. A grant lives until its Revoke, its
+//     handle's Close or the end (or fencing) of its connection.
 //   - To write, the initiator RDMA WRITEs into a writable grant and, once the
 //     WRITE has completed, sends Done with the ranges it wrote. Done has no
 //     reply unless it fails, or with DoneFUA the reply OK once its ranges are
-//     durable. Ranges of one Done may span several chunks of the handle.
+//     durable. Ranges of one Done may span several chunks of the handle, and
+//     must lie within writable grants of that handle (not of another one).
 //   - Flush replies OK once every range of every Done the target received
 //     before it, on this connection, is written back and fdatasync'd. It
 //     carries the session's generation, as Done does.
-//   - To evict a chunk the target sends Revoke (with a tag of its own). The
+//   - To evict a chunk the target sends Revoke (with a tag of its own), one
+//     per grant of the chunk, naming the handle of that grant. The
 //     initiator stops starting operations on that grant, waits for those in
 //     flight, sends Done for what it wrote through it, then replies RevokeAck
 //     with the Revoke's tag. The target may then deregister the memory and
 //     reuse it; a later GrantRequest gets a new grant with a new generation.
 //     The initiator answers every Revoke, even one for a grant it no longer
-//     has.
+//     has. An initiator that does not answer within the target's revoke
+//     timeout (the same for every initiator, rblkd --revoke-timeout) loses
+//     its connection.
 //   - Trim and WriteZeroes are done by the target's CPU with fallocate (punch
 //     a hole, or zero a range; FlagNoHole keeps the range allocated). The
 //     target applies them after the Dones received before them, and updates
 //     or revokes the grants they cover; FlagFUA replies once durable.
-//   - Close releases the handle and all its grants: the initiator stops using
-//     them when it sends Close. Close does not flush: send Flush first if the
-//     data must be durable.
+//   - Close releases the handle and all its grants, and only those: the
+//     initiator stops using them when it sends Close; the grants of the
+//     connection's other handles stay. Close does not flush: send Flush
+//     first if the data must be durable.
 //   - KeepAlive checks a quiet link: either side sends it, with a tag of its
 //     own, when it has received nothing from its peer for a while, and the
 //     peer replies OK with that tag (never Error). A side that gets no
@@ -428,8 +439,8 @@
 //	32 |                          generation                           |
 //	   +---------------------------------------------------------------+
 //
-// Revoke (9) and RevokeAck (10), 24 bytes. Offset and generation are the
-// grant's.
+// Revoke (9) and RevokeAck (10), 24 bytes. Handle, offset and generation
+// are the grant's.
 //
 //	     0       1       2       3       4       5       6       7
 //	   +-------------------------------+-------------------------------+

@@ -20,40 +20,28 @@ import (
 // a few clean ones too when that saves a write (see writeback.go).
 const dirtyBlock = 4096
 
-type chunkState uint8
-
-const (
-	chunkLoading chunkState = iota
-	chunkReady
-	chunkEvicting
-)
-
 type chunkKey struct {
 	vol *volume
 	idx uint64
 }
 
-// holder is one session's grant of a chunk: a key to the chunk's memory
-// that works only through that session's connection.
-type holder struct {
-	handle uint32
-	key    grantKey
-}
-
 // chunk is one cached, registered chunk of a volume.
 type chunk struct {
-	key    chunkKey
-	off    uint64 // start in the volume
-	slot   int
-	buf    []byte // the slot's memory, the chunk's length
-	gen    uint64
-	state  chunkState
-	loaded chan struct{} // closed when loading ends
-	pins   int           // grants being set up; a pinned chunk is not evicted
-	leaked bool          // a grant's deregistration failed: the slot is never reused
-	elem   *list.Element // place in the LRU list while ready
+	// The table's part (chunktable.go), guarded by cache.mu and changed
+	// only by the chunkTable.
+	key     chunkKey
+	off     uint64 // start in the volume (set with buf)
+	slot    int
+	length  uint64 // the chunk's length when it was loaded
+	gen     uint64
+	state   chunkState
+	pins    int           // grants being set up; a pinned chunk is not evicted
+	leaked  bool          // a grant's key could not be released: the slot is never reused
+	elem    *list.Element // place in the LRU list while ready
+	holders []*holder     // its grants
 
-	holders map[*session]holder // guarded by cache.mu
+	buf    []byte        // the slot's memory, the chunk's length
+	loaded chan struct{} // closed when loading ends
 
 	wbMu    sync.Mutex // serializes write-back, zeroing and the end of eviction
 	dead    bool       // evicted: the slot may hold another chunk (guarded by wbMu)
@@ -98,21 +86,24 @@ func (ch *chunk) zeroed(from, to uint64, hole bool) {
 }
 
 // cache is the target's bounded cache of registered chunks, shared by all
-// volumes. Memory is one mapping of slots*chunkSize bytes.
+// volumes. Memory is one mapping of slots*chunkSize bytes. Its decisions
+// (which chunk is where, who holds grants of it, what to evict) are the
+// chunkTable's; the cache holds mu across each call to it and does the IO
+// outside: loads, registrations, revokes, write-back, release of keys.
 type cache struct {
 	chunkSize int
 	slots     int
 	mem       *transport.Memory
 	log       *zap.Logger
 	m         *Metrics
+	// revokeTTL is how long every holder has to answer a revoke before its
+	// session is closed: the same for all, whatever share they hold.
 	revokeTTL time.Duration
 	// patience is how long a grant waiting for a free slot waits on one
-	// eviction before it starts another: a holder slow to answer a revoke
-	// does not stall the others.
+	// eviction before it starts another, and how long a holder may take
+	// to answer a revoke before evictions look elsewhere first (slow
+	// holders): a holder slow to answer does not stall the others.
 	patience time.Duration
-	// sessions counts the sessions that hold grants or may ask for them,
-	// for the fair share.
-	sessions atomic.Int64
 	progress *atomic.Uint64 // the target's drain progress: bumped per write-back
 	maxWrite uint64         // the most bytes of a vectored write-back (maxWriteBytes)
 
@@ -120,12 +111,9 @@ type cache struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // evictions
 
-	mu     sync.Mutex
-	cond   *sync.Cond
-	free   []int
-	chunks map[chunkKey]*chunk
-	lru    list.List // ready chunks, most recently granted first
-	gen    uint64
+	mu   sync.Mutex
+	cond *sync.Cond
+	tbl  *chunkTable
 }
 
 // eviction is the outcome of one eviction, guarded by cache.mu.
@@ -144,12 +132,10 @@ func newCache(size int64, chunkSize int, log *zap.Logger, m *Metrics, revokeTTL 
 		return nil, fmt.Errorf("cache: %w", err)
 	}
 	c := &cache{chunkSize: chunkSize, slots: slots, progress: progress, maxWrite: maxWriteBytes, mem: mem, log: log, m: m, revokeTTL: revokeTTL,
-		patience: min(revokeTTL/20, 250*time.Millisecond), chunks: make(map[chunkKey]*chunk)}
+		patience: min(revokeTTL/20, 250*time.Millisecond)}
+	c.tbl = newChunkTable(slots, c.patience, time.Now)
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	c.cond = sync.NewCond(&c.mu)
-	for i := slots - 1; i >= 0; i-- {
-		c.free = append(c.free, i)
-	}
 	m.cacheBudget.Set(float64(slots * chunkSize))
 	return c, nil
 }
@@ -176,54 +162,93 @@ func (c *cache) wait(ctx context.Context, d time.Duration) error {
 	return ctx.Err()
 }
 
-// get returns chunk idx of v, loaded and pinned, for session s (which may
-// be nil), and s's grant of it if it holds one. The caller unpins it. When
-// the cache is full it evicts: a chunk of s's own if s holds more than its
-// fair share, else the least recently granted chunk, preferring chunks
-// whose holders answer revokes; if that eviction has not freed a slot after
-// c.patience it starts another, so a holder slow to answer does not stall
-// the rest.
-func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*chunk, holder, bool, error) {
-	key := chunkKey{v, idx}
+// shareOf is the share group of a session whose host is host: the host's
+// sessions (its queues among them) share one; an anonymous session has its
+// own.
+func shareOf(s *session, host string) shareKey {
+	if host == "" {
+		return shareKey{anon: s.id}
+	}
+	return shareKey{host: host}
+}
+
+// openHandle tells the table that s opened handle (see chunkTable.openHandle).
+func (c *cache) openHandle(s *session, handle uint32, writable bool, host string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.tbl.openHandle(s, handle, writable, shareOf(s, host), time.Unix(0, s.penaltyEnd.Load()))
+}
+
+// penalize cuts the share of s's group until until (see chunkTable.share).
+func (c *cache) penalize(s *session, until time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.tbl.penalize(s, until)
+}
+
+// get returns chunk idx of v, loaded and pinned, for handle of session s
+// (s may be nil), and the handle's grant of it if it holds one. The caller
+// unpins it. When the cache is full it evicts the chunk the table picks
+// (chunkTable.victim); if that eviction has not freed a slot after
+// c.patience it starts another, so a holder slow to answer does not stall
+// the rest.
+func (c *cache) get(ctx context.Context, s *session, handle uint32, v *volume, idx uint64) (*chunk, *holder, error) {
+	// The common case, a cached chunk, without the slow path's defers.
+	c.mu.Lock()
+	st := c.tbl.acquire(chunkKey{v, idx}, c.chunkLen(v, idx), s, handle)
+	if st.kind == acquireReady {
+		c.mu.Unlock()
+		return st.ch, st.holder, nil
+	}
+	defer c.mu.Unlock()
+	return c.getSlow(ctx, s, handle, v, idx, st)
+}
+
+// getSlow is get once the chunk was not ready: st is the table's first
+// answer. c.mu is held.
+func (c *cache) getSlow(ctx context.Context, s *session, handle uint32, v *volume, idx uint64, st acquireStep) (*chunk, *holder, error) {
+	key := chunkKey{v, idx}
 	var ev *eviction // the eviction this call started last
 	var started time.Time
-	for {
-		if err := ctx.Err(); err != nil {
-			return nil, holder{}, false, err
+	waiting := false // counted in the table's waiting grants
+	defer func() {
+		if waiting {
+			c.tbl.wait(s, false)
 		}
-		if ch := c.chunks[key]; ch != nil {
-			switch ch.state {
-			case chunkReady:
-				if c.stale(ch) {
-					// The volume grew past this short last chunk: it
-					// goes, and is loaded again with its new length.
-					c.refitStale(ch)
-					if err := c.wait(ctx, 0); err != nil {
-						return nil, holder{}, false, err
-					}
-					continue
-				}
-				ch.pins++
-				c.lru.MoveToFront(ch.elem)
-				hd, held := ch.holders[s]
-				return ch, hd, held, nil
-			case chunkLoading:
-				c.waitLoaded(ctx, ch)
-			case chunkEvicting:
-				if err := c.wait(ctx, 0); err != nil {
-					return nil, holder{}, false, err
-				}
+	}()
+	for first := true; ; first = false {
+		if err := ctx.Err(); err != nil {
+			return nil, nil, err
+		}
+		if !first {
+			st = c.tbl.acquire(key, c.chunkLen(v, idx), s, handle)
+		}
+		switch st.kind {
+		case acquireReady:
+			return st.ch, st.holder, nil
+		case acquireWaitLoad:
+			c.waitLoaded(ctx, st.ch)
+			continue
+		case acquireRefit:
+			// The volume grew past this short last chunk: it goes, and is
+			// loaded again with its new length.
+			c.startEvict(st.ch, "evicting a chunk the volume grew past failed")
+			fallthrough
+		case acquireWait:
+			if err := c.wait(ctx, 0); err != nil {
+				return nil, nil, err
 			}
 			continue
-		}
-		if len(c.free) == 0 {
+		case acquireFull:
+			if !waiting && s != nil {
+				waiting = true
+				c.tbl.wait(s, true)
+			}
 			if ev != nil && ev.finished && ev.err != nil {
-				return nil, holder{}, false, ev.err
+				return nil, nil, ev.err
 			}
 			if ev == nil || ev.finished || time.Since(started) >= c.patience {
-				if victim := c.victim(s); victim != nil {
+				if victim := c.tbl.victim(s); victim != nil {
 					ev, started = &eviction{}, time.Now()
 					c.wg.Add(1)
 					go func(ev *eviction) {
@@ -237,58 +262,53 @@ func (c *cache) get(ctx context.Context, s *session, v *volume, idx uint64) (*ch
 				}
 			}
 			if err := c.wait(ctx, c.patience); err != nil {
-				return nil, holder{}, false, err
+				return nil, nil, err
 			}
 			continue
 		}
-		slot := c.free[len(c.free)-1]
-		c.free = c.free[:len(c.free)-1]
-		n := c.chunkLen(v, idx)
+		// acquireLoad: a new chunk in a free slot, pinned.
+		ch := st.ch
+		n := ch.length
 		words := (c.chunkSize/dirtyBlock + 63) / 64
 		// A window over the slot may reach all of it (see grantkey.go):
 		// the tail past a short last chunk must not hold another
 		// chunk's data.
-		clear(c.slotBytes(slot)[n:])
-		ch := &chunk{key: key, off: idx * uint64(c.chunkSize), slot: slot, buf: c.slotBytes(slot)[:n],
-			state: chunkLoading, loaded: make(chan struct{}), pins: 1, holders: make(map[*session]holder),
-			dirty: make([]uint64, words), holes: make([]uint64, words)}
-		c.chunks[key] = ch
+		clear(c.slotBytes(ch.slot)[n:])
+		ch.off, ch.buf = idx*uint64(c.chunkSize), c.slotBytes(ch.slot)[:n]
+		ch.loaded = make(chan struct{})
+		ch.dirty, ch.holes = make([]uint64, words), make([]uint64, words)
 		c.mu.Unlock()
 		err := c.load(v, ch)
 		c.mu.Lock()
 		close(ch.loaded)
 		if err != nil {
-			delete(c.chunks, key)
-			c.free = append(c.free, slot)
+			c.tbl.loadFailed(ch)
 			c.cond.Broadcast()
-			return nil, holder{}, false, err
+			return nil, nil, err
 		}
-		c.gen++
-		ch.gen = c.gen
-		ch.state = chunkReady
-		ch.elem = c.lru.PushFront(ch)
+		c.tbl.loaded(ch)
 		c.m.cacheUsed.Add(float64(c.chunkSize))
 		v.cached.Add(1)
-		if c.stale(ch) {
+		if c.chunkLen(v, idx) != n {
 			// The volume grew while it loaded: loaded again (above).
-			ch.pins--
+			c.tbl.unpin(ch)
 			c.cond.Broadcast()
 			continue
 		}
-		return ch, holder{}, false, nil
+		return ch, nil, nil
 	}
 }
 
-// share is how many chunks one session may hold while others wait for the
-// cache: an equal part of it, a quarter of that while the session's host
-// is penalized for not answering revokes.
-func (c *cache) share(s *session) int {
-	n := max(c.sessions.Load(), 1)
-	sh := max(c.slots/int(n), 1)
-	if s.penalized() {
-		sh = max(sh/4, 1)
-	}
-	return sh
+// startEvict evicts ch, which the table marked evicting, on a goroutine of
+// its own, logging a failure with what. c.mu is held.
+func (c *cache) startEvict(ch *chunk, what string) {
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		if err := c.evict(ch); err != nil {
+			c.log.Warn(what, zap.String("export", ch.key.vol.name), zap.Uint64("offset", ch.off), zap.Error(err))
+		}
+	}()
 }
 
 func (c *cache) load(v *volume, ch *chunk) error {
@@ -305,98 +325,37 @@ func (c *cache) load(v *volume, ch *chunk) error {
 	return nil
 }
 
-// victim picks a chunk to evict for s (nil: any) and marks it evicting,
-// or returns nil if every chunk is loading, pinned or being evicted. c.mu
-// is held. A session over its fair share gives up one of its own chunks;
-// otherwise the least recently granted chunk goes, preferring one whose
-// holders have no revoke outstanding for longer than c.patience.
-func (c *cache) victim(s *session) *chunk {
-	take := func(ch *chunk) *chunk {
-		ch.state = chunkEvicting
-		c.lru.Remove(ch.elem)
-		ch.elem = nil
-		return ch
-	}
-	if s != nil && int(s.held.Load()) >= c.share(s) {
-		for e := c.lru.Back(); e != nil; e = e.Prev() {
-			ch := e.Value.(*chunk)
-			if _, mine := ch.holders[s]; mine && ch.pins == 0 {
-				return take(ch)
-			}
-		}
-	}
-	var slow *chunk
-	for e := c.lru.Back(); e != nil; e = e.Prev() {
-		ch := e.Value.(*chunk)
-		if ch.pins != 0 {
-			continue
-		}
-		if c.slowHolders(ch) {
-			if slow == nil {
-				slow = ch
-			}
-			continue
-		}
-		return take(ch)
-	}
-	if slow != nil {
-		return take(slow)
-	}
-	return nil
-}
-
-// slowHolders reports whether a holder of ch is slow to answer a revoke.
-// c.mu is held.
-func (c *cache) slowHolders(ch *chunk) bool {
-	for s := range ch.holders {
-		if s.slowRevokes.Load() > 0 {
-			return true
-		}
-	}
-	return false
-}
-
 func (c *cache) unpin(ch *chunk) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	ch.pins--
-	if ch.pins == 0 {
+	if c.tbl.unpin(ch) {
 		c.cond.Broadcast()
 	}
 }
 
 // evict takes ch (marked evicting) out of the cache: every holder is asked
-// to give its grant back and its registration is removed, dirty blocks are
-// written back, then the slot is freed. If write-back fails the chunk stays
-// cached (ready, without grants) and the error is returned. It runs in the
-// cache's own context, not that of the session whose grant needed the
-// slot: that session may go away without harm to the holders.
+// to give its grant back, and its key released once it answered (or did
+// not in time), dirty blocks are written back, then the slot is freed. If
+// write-back fails the chunk stays cached (ready, without grants) and the
+// error is returned. It runs in the cache's own context, not that of the
+// session whose grant needed the slot: that session may go away without
+// harm to the holders. Every holder gets the whole revoke timeout.
 func (c *cache) evict(ch *chunk) error {
 	c.mu.Lock()
-	type hs struct {
-		s *session
-		h holder
-	}
-	var list []hs
-	for s, h := range ch.holders {
-		list = append(list, hs{s, h})
-	}
+	holders := c.tbl.revoking(ch)
 	c.mu.Unlock()
 
 	var wg sync.WaitGroup
-	for _, x := range list {
+	for _, h := range holders {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			ttl := c.revokeTTL
 			c.mu.Lock()
-			if int(x.s.held.Load()) > c.share(x.s) {
-				// A session holding more than its share, and so
-				// keeping others waiting, gets less time.
-				ttl = max(c.revokeTTL/10, c.patience)
-			}
+			live := c.tbl.holds(h)
 			c.mu.Unlock()
-			x.s.revoke(c.ctx, ch, x.h, ttl, c.patience)
+			if live { // (else its handle closed, or its session ended, meanwhile)
+				h.s.revoke(c.ctx, h, c.revokeTTL)
+			}
 		}()
 	}
 	wg.Wait()
@@ -411,14 +370,11 @@ func (c *cache) evict(ch *chunk) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if err != nil {
-		ch.state = chunkReady
-		ch.elem = c.lru.PushBack(ch)
+		c.tbl.evictFailed(ch)
 		c.cond.Broadcast()
 		return err
 	}
-	delete(c.chunks, ch.key)
-	if !ch.leaked {
-		c.free = append(c.free, ch.slot)
+	if c.tbl.evicted(ch) {
 		c.m.cacheUsed.Sub(float64(c.chunkSize))
 		ch.key.vol.cached.Add(-1)
 	}
@@ -427,45 +383,53 @@ func (c *cache) evict(ch *chunk) error {
 	return nil
 }
 
-// dropHolder forgets s's grant of ch (after a revoke or when s ends) and
-// deregisters its region. If deregistration fails the initiator may still
-// reach the memory: the chunk's slot is then never reused (leaked), and the
-// error is logged and counted.
-func (c *cache) dropHolder(ch *chunk, s *session) {
+// dropHolder takes h out of the table, if it is still there, and releases
+// its key (see release).
+func (c *cache) dropHolder(h *holder, lost bool) {
 	c.mu.Lock()
-	h, ok := ch.holders[s]
-	delete(ch.holders, s)
+	ok := c.tbl.dropHolder(h)
 	c.mu.Unlock()
-	if !ok {
-		return
+	if ok {
+		c.release(h, lost)
 	}
-	s.held.Add(-1)
-	if err := h.key.release(); err != nil {
+}
+
+// release releases the key of h, which the table gave up. With lost (h's
+// handle or session went away without telling what it wrote: its
+// connection was lost, it was fenced, it closed the handle, or it did not
+// answer a revoke) a writable grant's chunk counts as dirty whole, since the
+// cache holds whatever its RDMA WRITEs placed and their Done may be lost
+// with the connection, although the initiator acknowledged those writes.
+// Writing back blocks nobody changed is harmless: the cache holds what the
+// file holds. If the release fails the initiator may still reach the
+// memory: the chunk's slot is then never reused (leaked), and the error is
+// logged and counted.
+func (c *cache) release(h *holder, lost bool) {
+	ch := h.ch
+	if lost && h.writable {
+		ch.markDirty(0, uint64(len(ch.buf)))
+		ch.key.vol.markDirty(ch)
+	}
+	c.releaseKey(ch, h.s, h.key, "deregister a chunk's grant failed: its cache slot is taken out of use")
+}
+
+// releaseKey releases key, a grant of ch on s's connection; if that fails
+// the slot of ch is leaked and what is logged.
+func (c *cache) releaseKey(ch *chunk, s *session, key grantKey, what string) {
+	if err := key.release(); err != nil {
 		c.m.errDeregister.Inc()
-		c.log.Error("deregister a chunk's grant failed: its cache slot is taken out of use",
-			zap.Uint64("session", s.id), zap.Uint64("offset", ch.off), zap.Error(err))
+		c.log.Error(what, zap.Uint64("session", s.id), zap.Uint64("offset", ch.off), zap.Error(err))
 		c.mu.Lock()
-		ch.leaked = true
+		c.tbl.leak(ch)
 		c.mu.Unlock()
 	}
 }
 
-// dropHolderLost drops s's grant of ch when s went away without telling
-// what it wrote (its connection was lost, it was fenced, or it did not
-// answer a revoke): if the grant was writable, every block of the chunk
-// counts as dirty, since the cache holds whatever its RDMA WRITEs placed and
-// their Done may be lost with the connection, although the initiator
-// acknowledged those writes. Writing back blocks nobody changed is harmless:
-// the cache holds what the file holds.
-func (c *cache) dropHolderLost(ch *chunk, s *session) {
-	c.mu.Lock()
-	h, ok := ch.holders[s]
-	c.mu.Unlock()
-	if ok && h.key.Access()&transport.AccessRemoteWrite != 0 {
-		ch.markDirty(0, uint64(len(ch.buf)))
-		ch.key.vol.markDirty(ch)
+// releaseAll releases the grants the table gave up, lost as release says.
+func (c *cache) releaseAll(hs []*holder, lost bool) {
+	for _, h := range hs {
+		c.release(h, lost)
 	}
-	c.dropHolder(ch, s)
 }
 
 // flush makes every range marked dirty before the call durable: the chunks
@@ -513,15 +477,15 @@ func (c *cache) zeroRange(v *volume, off, n uint64, noHole bool) error {
 	cs := uint64(c.chunkSize)
 	for idx := off / cs; idx*cs < off+n; idx++ {
 		c.mu.Lock()
-		ch := c.chunks[chunkKey{v, idx}]
+		ch := c.tbl.lookup(chunkKey{v, idx})
 		c.mu.Unlock()
 		if ch == nil {
 			continue
 		}
 		ch.wbMu.Lock()
-		if !ch.dead {
-			from := max(off, ch.off) - ch.off
-			to := min(off+n, ch.off+uint64(len(ch.buf))) - ch.off
+		// A short last chunk the volume grew past (being refit) may end
+		// before the range: only the file has what lies beyond it.
+		if from, to := max(off, ch.off)-ch.off, min(off+n, ch.off+uint64(len(ch.buf)))-ch.off; !ch.dead && from < to {
 			clear(ch.buf[from:to])
 			ch.zeroed(from, to, !noHole)
 		}
@@ -544,13 +508,11 @@ func (c *cache) close(vols []*volume) error {
 		}
 	}
 	c.mu.Lock()
-	for _, ch := range c.chunks {
-		for s, h := range ch.holders {
-			h.key.release()
-			delete(ch.holders, s)
-		}
-	}
+	left := c.tbl.dropAll()
 	c.mu.Unlock()
+	for _, h := range left {
+		h.key.release() // (the memory is freed next)
+	}
 	if err := c.mem.Free(); err != nil {
 		errs = append(errs, err)
 	}

@@ -2,14 +2,21 @@
 // block devices as volumes, and serves them to initiators through a bounded
 // cache of registered memory.
 //
-// The target's CPU does not move data over the network. An initiator asks
-// for a grant of the chunk that holds an offset; the target loads the chunk
-// into a slot of its cache (memory of its own, never a mapping of the backing
-// file), registers the slot on that initiator's connection (remote read, and
-// remote write when the volume is open for writing) and replies with the
-// address, rkey, length and generation. From then on the initiator reads and
-// writes the chunk with one-sided RDMA READ and WRITE and tells the target,
-// with a Done message, which ranges it wrote.
+// The target's CPU does not move data over the network. An initiator asks,
+// under a handle it opened, for a grant of the chunk that holds an offset;
+// the target loads the chunk into a slot of its cache (memory of its own,
+// never a mapping of the backing file), registers the slot on that
+// initiator's connection (remote read, and remote write when that handle is
+// open for writing) and replies with the address, rkey, length and
+// generation. From then on the initiator reads and writes the chunk with
+// one-sided RDMA READ and WRITE and tells the target, with a Done message
+// under the same handle, which ranges it wrote.
+//
+// A grant belongs to the handle it was made for: it carries that handle's
+// access (a read-only handle never holds a writable key, whatever else its
+// session holds), two handles of one session asking for one chunk get two
+// grants, and a Done is accepted only for ranges the handle's own grants
+// cover.
 //
 // The target's work is what only it can do:
 //
@@ -27,9 +34,12 @@
 //     fails with ErrBusy naming the holder, or, with OpenTakeover, fences
 //     the holder first;
 //   - load chunks on demand, and evict the least recently granted one when
-//     the cache is full: it first revokes every grant of the chunk (the
-//     initiator acknowledges once it no longer uses it, after its last Done),
-//     deregisters the regions, writes dirty blocks back, then reuses the slot;
+//     the cache is full: it first revokes every grant of the chunk (a Revoke
+//     under the grant's handle; the initiator acknowledges once it no longer
+//     uses it, after its last Done), deregisters the regions, writes dirty
+//     blocks back, then reuses the slot. Which chunk is where, who holds a
+//     grant of it and what to evict is decided by a state machine without
+//     IO (chunkTable, chunktable.go); the cache does the IO it asks for;
 //   - write back the dirty ranges named by Done messages, asynchronously and
 //     coalesced: in file order, neighbouring ranges of a chunk merged into
 //     one write, ranges of chunks adjacent in the file into one vectored
@@ -48,16 +58,28 @@
 //     it takes over (OpenTakeover), or the holder's link is down, or it
 //     does not answer a KeepAlive within Options.LivenessProbe (one such
 //     probe at a time per host and export); Done and Flush name the
-//     session's generation. A grant dies with its revoke, its handle's
-//     Close, and its session's end or fence: its rkey then reaches nothing;
-//   - keep sessions honest: a silent initiator is dropped (KeepAlive), one
-//     that holds more than its share of the cache evicts its own chunks and
-//     gets less time to answer a revoke, one that does not answer is dropped
-//     and its host's share cut for a while, and a grant waiting for a slot
-//     never waits on one slow holder for long;
-//   - when a session ends without a clean close (a lost link, a fence, an
-//     unanswered revoke), write back whole chunks it held writable, since
-//     its last Dones may be lost while its RDMA WRITEs are in the cache;
+//     session's generation. A grant dies with its revoke, its own handle's
+//     Close (not another's), and its session's end or fence: its rkey then
+//     reaches nothing. A session's identity as an export's writer lasts
+//     while it has a read-write handle of it open;
+//   - share the cache fairly: the sessions of one host ID (a session's
+//     queues among them; an anonymous session alone) are one share, and the
+//     cache is split equally between the hosts with a handle open. A host
+//     at or over its share gives up its own chunks when it needs another;
+//   - keep sessions honest: a silent initiator is dropped (KeepAlive); every
+//     holder of a grant has the whole revoke timeout to answer a revoke,
+//     whatever share it holds (a healthy initiator on a loaded machine may
+//     be slow), and one that does not answer in that time is dropped and
+//     its host's share cut to a quarter for three revoke timeouts; a grant
+//     waiting for a slot never waits on one slow holder for long: after a
+//     twentieth of the revoke timeout (at most 250 ms) it starts another
+//     eviction, and evictions prefer chunks whose holders have no revoke
+//     outstanding for that long. A host that holds the whole cache and
+//     never answers delays the others by one revoke timeout, once;
+//   - when a handle closes or a session ends without a clean close (a lost
+//     link, a fence, an unanswered revoke), write back whole chunks it held
+//     writable, since its last Dones may be lost while its RDMA WRITEs are
+//     in the cache;
 //   - grow a volume online (Grow): extend the backing file (a block device
 //     must be large enough already), make the new size the one every check
 //     uses, revoke a short last chunk so that it is granted again whole,

@@ -570,21 +570,7 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 func (c *cache) dropVolume(ctx context.Context, v *volume) error {
 	for {
 		c.mu.Lock()
-		var victim *chunk
-		busy := false
-		for key, ch := range c.chunks {
-			if key.vol != v {
-				continue
-			}
-			if ch.state == chunkReady && ch.pins == 0 {
-				ch.state = chunkEvicting
-				c.lru.Remove(ch.elem)
-				ch.elem = nil
-				victim = ch
-				break
-			}
-			busy = true
-		}
+		victim, busy := c.tbl.volumeVictim(v)
 		if victim == nil {
 			if !busy {
 				c.mu.Unlock()

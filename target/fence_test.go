@@ -210,10 +210,12 @@ func (c *client) grantTime(t *testing.T, off uint64) (time.Duration, error) {
 
 // TestGrantHogDoesNotStallOthers: a session that holds grants on the whole
 // cache and never answers a revoke delays another initiator's grants by
-// about a second, not the revoke timeout, loses its session, and when it
-// comes back at once it cannot take the cache again.
+// the revoke timeout once (every holder has the whole timeout to answer:
+// a slow but healthy one must not be dropped), not by one timeout per
+// chunk, loses its session, and when it comes back at once it cannot take
+// the cache again.
 func TestGrantHogDoesNotStallOthers(t *testing.T) {
-	const revokeTTL = 10 * time.Second
+	const revokeTTL = 2 * time.Second
 	e, reg := startWith(t, make([]byte, 4<<20), target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, RevokeTimeout: revokeTTL}, target.ExportConfig{Shared: true})
 	hog, err := e.dialAs("hog", true, 0)
 	if err != nil {
@@ -230,25 +232,22 @@ func TestGrantHogDoesNotStallOthers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var worst time.Duration
+	var total time.Duration
 	for i := 16; i < 48; i++ {
 		d, err := good.grantTime(t, uint64(i)<<16)
 		if err != nil {
 			t.Fatalf("grant %d: %v", i, err)
 		}
-		worst = max(worst, d)
+		total += d
 	}
-	if worst > revokeTTL/3 {
-		t.Fatalf("a grant waited %v behind the hog (revoke timeout %v)", worst, revokeTTL)
+	if total > 2*revokeTTL {
+		t.Fatalf("32 grants took %v behind the hog (revoke timeout %v): want about one timeout", total, revokeTTL)
 	}
-	select {
-	case <-hog.Done():
-	case <-time.After(revokeTTL):
-		t.Fatal("the hog kept its session")
-	}
+	waitDown(t, hog.Link, "the hog")
 	if n := counter(t, reg, "rblkd_revoke_timeouts_total"); n < 1 {
 		t.Fatalf("revoke timeouts %v, want at least 1", n)
 	}
+	var worst time.Duration
 	// The hog comes back at once and grabs again: the good initiator still
 	// gets its grants in bounded time, and the hog holds little of the cache.
 	hog2, err := e.dialAs("hog", true, 0)
@@ -265,7 +264,6 @@ func TestGrantHogDoesNotStallOthers(t *testing.T) {
 			}
 		}
 	}()
-	worst = 0
 	for i := range 32 {
 		d, err := good.grantTime(t, uint64(63-i)<<16)
 		if err != nil {

@@ -154,32 +154,6 @@ func (c *cache) chunkLen(v *volume, idx uint64) uint64 {
 	return min(cs, v.size.Load()-idx*cs)
 }
 
-// stale reports whether ch is shorter than its chunk is now: the volume
-// grew past it. c.mu is held.
-func (c *cache) stale(ch *chunk) bool {
-	return uint64(len(ch.buf)) != c.chunkLen(ch.key.vol, ch.key.idx)
-}
-
-// refitStale starts the eviction of ch, a ready chunk that is stale, if
-// nothing pins it; the caller then waits for the cache to change. c.mu
-// is held.
-func (c *cache) refitStale(ch *chunk) {
-	if ch.pins != 0 {
-		return // unpin wakes the waiters
-	}
-	ch.state = chunkEvicting
-	c.lru.Remove(ch.elem)
-	ch.elem = nil
-	c.wg.Add(1)
-	go func() {
-		defer c.wg.Done()
-		if err := c.evict(ch); err != nil {
-			c.log.Warn("evicting a chunk the volume grew past failed", zap.String("export", ch.key.vol.name),
-				zap.Uint64("offset", ch.off), zap.Error(err))
-		}
-	}()
-}
-
 // refit waits until chunk idx of v is not cached with a stale length:
 // evicted, or loaded again since the volume grew.
 func (c *cache) refit(ctx context.Context, v *volume, idx uint64) error {
@@ -187,16 +161,19 @@ func (c *cache) refit(ctx context.Context, v *volume, idx uint64) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for {
-		ch := c.chunks[key]
+		ch := c.tbl.lookup(key)
 		if ch == nil {
 			return nil
 		}
 		switch ch.state {
 		case chunkReady:
-			if !c.stale(ch) {
+			if ch.length == c.chunkLen(v, idx) {
 				return nil
 			}
-			c.refitStale(ch)
+			// Evicted unless pinned (unpin wakes the waiters).
+			if c.tbl.refit(ch) {
+				c.startEvict(ch, "evicting a chunk the volume grew past failed")
+			}
 		case chunkLoading:
 			c.waitLoaded(ctx, ch)
 			if err := ctx.Err(); err != nil {

@@ -31,6 +31,13 @@ type openVol struct {
 	queues  []identEntry
 	primary *openVol
 	ended   bool
+
+	// grants indexes the chunks this handle holds grants of, by chunk
+	// index: a Done names ranges, and finds their chunks here, without the
+	// cache's lock. A chunk leaves it before its grant leaves the cache's
+	// table, so a Done never marks a chunk dirty whose grant is gone.
+	// Guarded by session.mu.
+	grants map[uint64]*chunk
 }
 
 // ident is an initiator's identity for one export: reinstatement fences
@@ -55,25 +62,23 @@ type session struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // request goroutines
 
+	// mu guards the session's handles and their grants' index. Lock
+	// order: Target.mu, then session.mu, then cache.mu.
 	mu      sync.Mutex
 	handles map[uint32]*openVol
 	next    uint32
 	opening int // handles being opened (reserveHandle)
-	// grants indexes the chunks this session holds grants of: a Done
-	// names ranges, and finds their chunks here, without the cache's lock.
-	// A chunk leaves it before its grant ends (ch.holders), so a Done
-	// never marks a chunk dirty whose grant is gone.
-	grants map[chunkKey]*chunk
 
 	done protocol.Done // reused by the completion goroutine
 
-	held        atomic.Int64  // chunks this session holds grants of
-	slowRevokes atomic.Int32  // revokes outstanding for longer than the cache's patience
-	penaltyEnd  atomic.Int64  // UnixNano until which its share is cut (see penalize)
-	opened      bool          // counted in cache.sessions (mu)
-	fenced      bool          // a later session of its identity took over: no more grants (mu)
-	peer        string        // the peer's host, for penalties
-	ended       chan struct{} // closed once the session released everything
+	penaltyEnd atomic.Int64 // UnixNano until which its share is cut (see penalize)
+	fenced     bool         // a later session of its identity took over: no more grants (mu)
+	// dropped: a revoke of its went unanswered (or its link went down
+	// while one waited) and the session is being closed: a Done of that
+	// grant arriving meanwhile is dropped, not a protocol error (mu).
+	dropped bool
+	peer    string        // the peer's host, for penalties
+	ended   chan struct{} // closed once the session released everything
 
 	// Authentication (see auth.go), guarded by mu.
 	state  int
@@ -92,12 +97,6 @@ type session struct {
 	cacheReg    transport.Region
 	slotRegs    map[int]transport.Region
 	noWindows   atomic.Bool
-}
-
-// penalized reports whether the session's host was recently dropped for
-// not answering a revoke.
-func (s *session) penalized() bool {
-	return time.Now().UnixNano() < s.penaltyEnd.Load()
 }
 
 func (s *session) handle(h protocol.Header, payload []byte) {
@@ -236,7 +235,7 @@ func (s *session) dispatch(tag uint64, m protocol.Message) (*opMetrics, error) {
 		if !ok {
 			return om.opClose, fmt.Errorf("handle %d: %w", m.Handle, protocol.ErrInvalid)
 		}
-		s.dropGrants(ov)
+		s.closeHandle(m.Handle, ov)
 		s.t.forget(s, ov)
 		s.reply(tag, &protocol.OK{})
 		return om.opClose, nil
@@ -350,10 +349,7 @@ func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, er
 	}
 	h := s.next
 	s.handles[h] = ov
-	if !s.opened {
-		s.opened = true
-		s.t.cache.sessions.Add(1)
-	}
+	s.t.cache.openHandle(s, h, ov.writable, ov.ident.host)
 	s.mu.Unlock()
 	v := ov.v
 	s.noisy.Info(event, zap.String("export", v.name), zap.String("host_id", ov.ident.host), zap.String("instance", instanceString(ov.instance)),
@@ -393,10 +389,12 @@ func volFlags(v *volume) protocol.VolumeFlags {
 	return protocol.VolCanTrim | protocol.VolCanZero | protocol.VolCanFlush
 }
 
-// grant registers the chunk that holds m.Offset on this session's connection
-// and replies with its description. The region has remote write access only
-// when the volume was opened for writing. The reply is sent while the chunk
-// is pinned, so that a Revoke of it cannot overtake the Grant.
+// grant registers the chunk that holds m.Offset on this session's
+// connection for handle m.Handle and replies with its description. The
+// grant carries the handle's access: remote write only when the handle was
+// opened for writing, whatever else the session holds. A handle that holds
+// a grant of the chunk already gets it again. The reply is sent while the
+// chunk is pinned, so that a Revoke of it cannot overtake the Grant.
 func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 	ov, err := s.lookup(m.Handle)
 	if err != nil {
@@ -409,97 +407,110 @@ func (s *session) grant(tag uint64, m *protocol.GrantRequest) error {
 		return fmt.Errorf("write grant on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
 	}
 	c := s.t.cache
-	ch, hd, held, err := c.get(s.ctx, s, ov.v, m.Offset/uint64(c.chunkSize))
+	idx := m.Offset / uint64(c.chunkSize)
+	ch, hd, err := c.get(s.ctx, s, m.Handle, ov.v, idx)
 	if err != nil {
 		return err
 	}
 	defer c.unpin(ch)
 
-	if !held || (ov.writable && hd.key.Access()&transport.AccessRemoteWrite == 0) {
-		access := transport.AccessRemoteRead
-		if ov.writable {
-			access |= transport.AccessLocalWrite | transport.AccessRemoteWrite
-		}
-		key, err := s.grantKeyFor(s.ctx, ch, access)
-		if err != nil {
+	if hd == nil {
+		if hd, err = s.newGrant(ch, m.Handle, ov); err != nil {
 			return err
 		}
-		c.mu.Lock()
-		old, had := ch.holders[s]
-		hd = holder{handle: m.Handle, key: key}
-		ch.holders[s] = hd
-		c.mu.Unlock()
-		if had {
-			if err := old.key.release(); err != nil {
-				// The read-only registration stays reachable: keep the
-				// slot out of use, as dropHolder does.
-				c.m.errDeregister.Inc()
-				s.log.Error("deregister a replaced grant failed: its cache slot is taken out of use", zap.Error(err))
-				c.mu.Lock()
-				ch.leaked = true
-				c.mu.Unlock()
-			}
-		} else {
-			s.held.Add(1)
-		}
-		s.mu.Lock()
-		fenced := s.fenced
-		if !fenced {
-			s.grants[ch.key] = ch
-		}
-		s.mu.Unlock()
-		if fenced {
-			// Fenced while registering: the grant never leaves.
-			c.dropHolder(ch, s)
-			return fmt.Errorf("grant on %q: session fenced: %w", ov.v.name, protocol.ErrStale)
-		}
-		ov.v.m.grants.Inc()
 	}
 	g := &protocol.Grant{Handle: m.Handle, Offset: ch.off, Addr: hd.key.Addr(), RKey: hd.key.RKey(),
 		Length: uint32(len(ch.buf)), Generation: ch.gen}
-	if hd.key.Access()&transport.AccessRemoteWrite != 0 {
+	if hd.writable {
 		g.Flags = protocol.GrantWrite
 	}
 	s.reply(tag, g)
 	return nil
 }
 
-// revoke asks the initiator to stop using its grant of ch and waits for its
-// RevokeAck, at most ttl; an initiator that does not answer in time loses
-// its session, and its host's share of the cache is cut for a while.
-// Either way the registration is removed before revoke returns. After
-// patience without an answer the session counts as slow, and evictions
-// look for other victims first.
-func (s *session) revoke(ctx context.Context, ch *chunk, h holder, ttl, patience time.Duration) {
-	ctx, cancel := context.WithTimeout(ctx, ttl)
-	defer cancel()
-	slow := time.AfterFunc(patience, func() { s.slowRevokes.Add(1) })
-	var ack protocol.RevokeAck
-	err := s.link.Request(ctx, &protocol.Revoke{Handle: h.handle, Offset: ch.off, Generation: ch.gen}, &ack)
-	if !slow.Stop() {
-		s.slowRevokes.Add(-1)
+// newGrant gives handle (ov) of the session a key to ch, pinned, with the
+// handle's access, and returns its grant: a new one, or the one the handle
+// got meanwhile.
+func (s *session) newGrant(ch *chunk, handle uint32, ov *openVol) (*holder, error) {
+	c := s.t.cache
+	access := transport.AccessRemoteRead
+	if ov.writable {
+		access |= transport.AccessLocalWrite | transport.AccessRemoteWrite
 	}
-	ch.key.vol.m.revokes.Inc()
-	s.forgetGrant(ch)
-	if err != nil && s.link.Err() == nil && s.t.ctx.Err() == nil {
-		s.log.Warn("initiator did not give a chunk back in time, closing its session",
-			zap.Uint64("offset", ch.off), zap.Duration("waited", ttl), zap.Error(err))
-		s.t.m.revokeTimeouts.Inc()
-		s.t.penalize(s)
-		s.link.Close()
+	key, err := s.grantKeyFor(s.ctx, ch, access)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	hd, added, err := c.tbl.grant(ch, s, handle, key)
+	c.mu.Unlock()
+	if !added {
+		// Never handed out.
+		c.releaseKey(ch, s, key, "deregister an unused grant failed: its cache slot is taken out of use")
 	}
 	if err != nil {
-		s.t.cache.dropHolderLost(ch, s)
-	} else {
-		s.t.cache.dropHolder(ch, s)
+		return nil, fmt.Errorf("grant on %q, handle %d: %w: %w", ov.v.name, handle, err, protocol.ErrStale)
 	}
+	if !added {
+		return hd, nil
+	}
+	s.mu.Lock()
+	live := !s.fenced && s.handles[handle] == ov
+	if live {
+		if ov.grants == nil {
+			ov.grants = make(map[uint64]*chunk)
+		}
+		ov.grants[ch.key.idx] = ch
+	}
+	s.mu.Unlock()
+	if !live {
+		// Fenced, or the handle closed, while registering: the grant
+		// never leaves (if the fence or the Close did not take it).
+		c.dropHolder(hd, false)
+		return nil, fmt.Errorf("grant on %q, handle %d: the handle is closed or its session fenced: %w", ov.v.name, handle, protocol.ErrStale)
+	}
+	ov.v.m.grants.Inc()
+	return hd, nil
 }
 
-// forgetGrant takes ch out of the session's index of grants.
-func (s *session) forgetGrant(ch *chunk) {
+// revoke asks the initiator to stop using the grant h (of its handle) and
+// waits for its RevokeAck, at most ttl: the whole revoke timeout, for every
+// holder, since a healthy initiator on a loaded machine may take long. An
+// initiator that does not answer in time loses its session, and its host's
+// share of the cache is cut for a while. Either way the grant's key is
+// released before revoke returns (unless its handle's Close, or the
+// session's fence or end, released it first).
+func (s *session) revoke(ctx context.Context, h *holder, ttl time.Duration) {
+	ch := h.ch
+	ctx, cancel := context.WithTimeout(ctx, ttl)
+	defer cancel()
+	var ack protocol.RevokeAck
+	err := s.link.Request(ctx, &protocol.Revoke{Handle: h.handle, Offset: ch.off, Generation: ch.gen}, &ack)
+	ch.key.vol.m.revokes.Inc()
+	if err != nil {
+		// The session is going away; a Done of this grant still on its
+		// way is no protocol error.
+		s.mu.Lock()
+		s.dropped = true
+		s.mu.Unlock()
+	}
+	s.forgetGrant(h.handle, ch)
+	if err != nil && s.link.Err() == nil && s.t.ctx.Err() == nil {
+		s.log.Warn("initiator did not give a chunk back in time, closing its session",
+			zap.Uint64("offset", ch.off), zap.Uint32("handle", h.handle), zap.Duration("waited", ttl), zap.Error(err))
+		s.t.m.revokeTimeouts.Inc()
+		s.t.penalize(s)
+		s.t.cache.penalize(s, time.Unix(0, s.penaltyEnd.Load()))
+		s.link.Close()
+	}
+	s.t.cache.dropHolder(h, err != nil)
+}
+
+// forgetGrant takes ch out of handle's index of grants.
+func (s *session) forgetGrant(handle uint32, ch *chunk) {
 	s.mu.Lock()
-	if s.grants[ch.key] == ch {
-		delete(s.grants, ch.key)
+	if ov := s.handles[handle]; ov != nil && ov.grants[ch.key.idx] == ch {
+		delete(ov.grants, ch.key.idx)
 	}
 	s.mu.Unlock()
 }
@@ -548,7 +559,8 @@ func (s *session) doneFUA(tag uint64, v *volume, chunks []*chunk) {
 	}()
 }
 
-// errFencedDone: a Done of a fenced handle, dropped.
+// errFencedDone: a Done of a fenced handle, or of a session being dropped,
+// dropped.
 var errFencedDone = errors.New("done of a fenced handle")
 
 // doneLocked checks d and marks its ranges dirty; with fua it returns their
@@ -561,11 +573,13 @@ func (s *session) doneLocked(d *protocol.Done, fua bool) (ov *openVol, fuaChunks
 	if !ov.writable {
 		return nil, nil, fmt.Errorf("done on %q opened read-only: %w", ov.v.name, protocol.ErrPerm)
 	}
-	if ov.fenced.Load() {
+	if ov.fenced.Load() || s.dropped {
 		// Fenced (a reinstatement or a takeover) while this Done was on
-		// its way: its grants are gone and its session is being closed,
-		// with a notice the initiator should get; not a protocol error.
-		// The chunks it held writable are written back whole.
+		// its way, or a revoke it did not answer in time is closing the
+		// session: its grants are gone and its session is being closed
+		// (fenced: with a notice the initiator should get); not a
+		// protocol error. The chunks it held writable are written back
+		// whole.
 		return nil, nil, errFencedDone
 	}
 	if err := ov.current(d.Generation); err != nil {
@@ -580,11 +594,12 @@ func (s *session) doneLocked(d *protocol.Done, fua bool) (ov *openVol, fuaChunks
 		}
 		bytes += r.Length
 		for idx := r.Offset / cs; idx*cs < r.Offset+r.Length; idx++ {
-			ch := s.grants[chunkKey{v, idx}]
+			ch := ov.grants[idx]
 			if ch == nil {
-				// The initiator wrote where it holds no grant: its data is
-				// not in the cache any more. That is a broken initiator.
-				return nil, nil, fmt.Errorf("done for chunk at %d of %q that this session holds no grant of: %w", idx*cs, v.name, protocol.ErrStale)
+				// The initiator wrote where this handle holds no grant:
+				// its data is not in the cache any more (or it wrote
+				// through another handle's). That is a broken initiator.
+				return nil, nil, fmt.Errorf("done for chunk at %d of %q that handle %d holds no grant of: %w", idx*cs, v.name, d.Handle, protocol.ErrStale)
 			}
 			from := max(r.Offset, ch.off) - ch.off
 			to := min(r.Offset+r.Length, ch.off+uint64(len(ch.buf))) - ch.off
@@ -635,31 +650,35 @@ func (s *session) zero(tag uint64, handle uint32, off, n uint64, noHole, fua boo
 	return nil
 }
 
-// dropGrants takes back the grants of a handle being closed, unless
-// another handle of the session has the same volume open: a grant belongs
-// to the session, and stays usable until revoke, close or the session's
-// end. The handle's Dones came before its Close on this connection, but
-// an initiator may have written without one: a writable grant's chunk is
-// written back whole, so that cache and file agree.
-func (s *session) dropGrants(ov *openVol) {
+// writerLike returns another read-write handle the session has open, of
+// ov's identity and not fenced, or nil. Target.mu may be held (it is taken
+// before s.mu).
+func (s *session) writerLike(ov *openVol) *openVol {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	for _, o := range s.handles {
-		if o.v == ov.v {
-			s.mu.Unlock()
-			return
+		if o != ov && o.writable && o.ident == ov.ident && !o.fenced.Load() {
+			return o
 		}
 	}
-	var drop []*chunk
-	for key, ch := range s.grants {
-		if key.vol == ov.v {
-			drop = append(drop, ch)
-			delete(s.grants, key)
-		}
-	}
+	return nil
+}
+
+// closeHandle takes back the grants of handle (ov), which the session
+// just closed (it left s.handles), and only those: another handle of the
+// session, of the same volume or not, keeps its own. The handle's Dones
+// came before its Close on this connection, but an initiator may have
+// written without one: a writable grant's chunk is written back whole, so
+// that cache and file agree.
+func (s *session) closeHandle(handle uint32, ov *openVol) {
+	s.mu.Lock()
+	ov.grants = nil
 	s.mu.Unlock()
-	for _, ch := range drop {
-		s.t.cache.dropHolderLost(ch, s)
-	}
+	c := s.t.cache
+	c.mu.Lock()
+	hs := c.tbl.closeHandle(s, handle)
+	c.mu.Unlock()
+	c.releaseAll(hs, true)
 }
 
 // markFenced is the first half of fencing the session (Target.fence): its
@@ -673,17 +692,20 @@ func (s *session) markFenced() {
 	}
 }
 
-// dropFencedGrants is the second half: every grant it holds is
-// invalidated, so that an RDMA operation still in flight on its
+// dropFencedGrants is the second half: every grant it holds, of every
+// handle, is invalidated, so that an RDMA operation still in flight on its
 // connection cannot reach the memory.
 func (s *session) dropFencedGrants() {
 	s.mu.Lock()
-	grants := s.grants
-	s.grants = make(map[chunkKey]*chunk)
-	s.mu.Unlock()
-	for _, ch := range grants {
-		s.t.cache.dropHolderLost(ch, s)
+	for _, ov := range s.handles {
+		ov.grants = nil
 	}
+	s.mu.Unlock()
+	c := s.t.cache
+	c.mu.Lock()
+	hs := c.tbl.fence(s)
+	c.mu.Unlock()
+	c.releaseAll(hs, true)
 }
 
 // end releases what the session holds once its link is down: it waits
@@ -692,32 +714,22 @@ func (s *session) end() {
 	s.cancel()
 	s.wg.Wait()
 	s.mu.Lock()
-	grants := s.grants
-	s.grants = nil
 	handles := s.handles
 	s.handles = map[uint32]*openVol{}
-	opened := s.opened
-	s.opened = false
-	s.mu.Unlock()
-	// A session that ends with a writable handle still open did not close
-	// cleanly (Flush, then Close): its last Dones may be lost.
-	lost := false
 	for _, ov := range handles {
-		lost = lost || ov.writable
+		ov.grants = nil
 	}
-	for _, ch := range grants {
-		if lost {
-			s.t.cache.dropHolderLost(ch, s)
-		} else {
-			s.t.cache.dropHolder(ch, s)
-		}
-	}
+	s.mu.Unlock()
+	// The grants left belong to handles still open: the session did not
+	// close cleanly (Flush, then Close), and their last Dones may be lost.
+	c := s.t.cache
+	c.mu.Lock()
+	hs := c.tbl.endSession(s)
+	c.mu.Unlock()
+	c.releaseAll(hs, true)
 	for _, ov := range handles {
 		s.t.forget(s, ov)
 	}
 	s.releaseRegions()
-	if opened {
-		s.t.cache.sessions.Add(-1)
-	}
 	close(s.ended)
 }

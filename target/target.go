@@ -542,7 +542,7 @@ func (t *Target) serveSession(ctx context.Context, req transport.ConnRequest, pr
 	id := t.nextID
 	t.mu.Unlock()
 	s := &session{t: t, id: id, ready: make(chan struct{}), ended: make(chan struct{}), pre: pre,
-		handles: make(map[uint32]*openVol), grants: make(map[chunkKey]*chunk), peer: peerHost(req.RemoteAddr())}
+		handles: make(map[uint32]*openVol), peer: peerHost(req.RemoteAddr())}
 	s.log = t.log.With(zap.Uint64("session", id), zap.String("peer", req.RemoteAddr()))
 	s.noisy = t.logLimit.limited(s.log, s.peer)
 	s.ctx, s.cancel = context.WithCancel(ctx)
@@ -1033,9 +1033,15 @@ func (t *Target) forget(s *session, ov *openVol) {
 	}
 	t.mu.Lock()
 	if e, ok := t.idents[ov.ident]; ok && e.s == s && e.ov == ov {
-		delete(t.idents, ov.ident)
-		if p := t.probes[ov.ident]; p != nil && p.s == s && p.ended {
-			delete(t.probes, ov.ident)
+		// Another read-write handle of the session and export keeps the
+		// identity, and the export's writer, until it closes too.
+		if next := s.writerLike(ov); next != nil {
+			t.idents[ov.ident] = identEntry{s: s, ov: next}
+		} else {
+			delete(t.idents, ov.ident)
+			if p := t.probes[ov.ident]; p != nil && p.s == s && p.ended {
+				delete(t.probes, ov.ident)
+			}
 		}
 	}
 	t.mu.Unlock()

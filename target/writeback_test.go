@@ -244,7 +244,7 @@ func newWBEnv(t testing.TB, store string) *wbEnv {
 func (e *wbEnv) chunk(idx uint64) *chunk {
 	e.c.mu.Lock()
 	defer e.c.mu.Unlock()
-	return e.c.chunks[chunkKey{e.v, idx}]
+	return e.c.tbl.lookup(chunkKey{e.v, idx})
 }
 
 // write puts data at off of the volume in the cache, as an initiator's

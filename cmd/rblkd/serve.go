@@ -127,7 +127,7 @@ encrypted: use a storage network you trust.`,
 	fl.DurationVar(&f.keepAlive, "keepalive-timeout", target.DefaultKeepAlive,
 		"drop a session whose initiator is silent this long (probed after a third of it; 0: never)")
 	fl.DurationVar(&f.revokeTimeout, "revoke-timeout", target.DefaultRevokeTimeout,
-		"close the session of an initiator that does not give a chunk back this long (a tenth of it for one holding more than its share of the cache)")
+		"close the session of an initiator that does not give a chunk back this long (every initiator gets all of it)")
 	fl.DurationVar(&f.drainTimeout, "drain-timeout", target.DefaultDrainTimeout,
 		"on SIGTERM, wait for initiators to flush and leave while they make progress; give up after this long without any")
 	fl.DurationVar(&f.drainLimit, "drain-limit", target.DefaultDrainLimit, "on SIGTERM, wait at most this long in all")
