@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -111,14 +111,14 @@ type conn struct {
 	p   *provider
 	log *zap.Logger
 
-	id  *verbs.CMID
-	ch  *verbs.EventChannel
+	id  verbs.CMID
+	ch  verbs.EventChannel
 	cmw *waiter
-	pd  *verbs.PD
-	cc  *verbs.CompChannel
+	pd  verbs.PD
+	cc  verbs.CompChannel
 	cqw *waiter
-	cq  *verbs.CQ
-	qp  *verbs.QP
+	cq  verbs.CQ
+	qp  verbs.QP
 
 	inline    int
 	respRes   uint8
@@ -184,8 +184,8 @@ type conn struct {
 	mwOps         [windowSlots]*mwOp
 	mwGen         uint64
 	mwOut         int // requests posted, completion not polled
-	mwFree        []*verbs.MW
-	mwLeaked      []*verbs.MW // ibv_dealloc_mw failed; teardown tries again
+	mwFree        []verbs.MW
+	mwLeaked      []verbs.MW // ibv_dealloc_mw failed; teardown tries again
 	mwAllocated   int
 	mwClosed      bool
 	windows       map[*window]struct{} // not dead
@@ -221,7 +221,7 @@ type sigStats struct {
 // newConn makes the verbs resources of a conn on id (whose address, and
 // route, are resolved): PD, completion channel, CQ, QP. On failure it
 // destroys what it made, but not id, ch and w.
-func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c *conn, err error) {
+func newConn(p *provider, id verbs.CMID, ch verbs.EventChannel, w *waiter) (c *conn, err error) {
 	ctx := id.Context()
 	if ctx == nil {
 		return nil, errors.New("the RDMA CM id is bound to no device")
@@ -282,14 +282,14 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 		return nil, memlockHint(err)
 	}
 	want := verbs.QPCaps{SendWR: sqDepth + extra, RecvWR: rqDepth, InlineData: maxInline}
-	chunk := min(postChunk, max(sqDepth, rqDepth))
+	chunk := min(p.chunk, max(sqDepth, rqDepth))
 	if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 		want.InlineData = 0
 		if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 			return nil, memlockHint(err)
 		}
 	}
-	c.inline = c.qp.Caps.InlineData
+	c.inline = c.qp.Caps().InlineData
 	c.limits = transport.Limits{
 		SendQueueDepth:   sqDepth,
 		RecvQueueDepth:   rqDepth,
@@ -478,8 +478,8 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 		buf:    buf,
 		addr:   uint64(uintptr(unsafe.Pointer(&buf[0]))),
 		mr:     mr,
-		lkey:   mr.LKey,
-		rkey:   mr.RKey,
+		lkey:   mr.LKey(),
+		rkey:   mr.RKey(),
 		access: access,
 	}
 	c.regions[r] = struct{}{}
@@ -491,7 +491,7 @@ type region struct {
 	c      *conn
 	buf    []byte
 	addr   uint64
-	mr     *verbs.MR // nil once deregistered (c.regMu)
+	mr     verbs.MR // nil once deregistered (c.regMu)
 	lkey   uint32
 	rkey   uint32
 	access transport.Access
@@ -508,9 +508,6 @@ func (r *region) LKey() uint32             { return r.lkey }
 func (r *region) RKey() uint32             { return r.rkey }
 func (r *region) Access() transport.Access { return r.access }
 
-// deregMR is ibv_dereg_mr; tests make it fail.
-var deregMR = (*verbs.MR).Dereg
-
 // Deregister deregisters the MR. If ibv_dereg_mr fails, the MR stays
 // registered, so the peer may still reach the memory with its rkey: the
 // region is quarantined (kept, its memory refused to Register on this conn)
@@ -526,7 +523,7 @@ func (r *region) Deregister() error {
 	}
 	err := c.killWindowsLocked(r)
 	if err == nil {
-		err = deregMR(r.mr)
+		err = r.mr.Dereg()
 	}
 	if err != nil {
 		if !r.quarantined {
@@ -934,7 +931,7 @@ func (c *conn) postDrain() {
 		return
 	}
 	c.drainSeq = r.tail
-	if err := postDrain(c.qp, drainWRID); err != nil {
+	if err := c.qp.PostDrain(drainWRID); err != nil {
 		// Those requests stay posted until Close gives up on them
 		// (flushTimeout) and completes them flushed.
 		c.drain = drainDone
@@ -944,9 +941,6 @@ func (c *conn) postDrain() {
 	}
 	c.drain = drainPosted
 }
-
-// postDrain posts the drain request; tests replace it.
-var postDrain = (*verbs.QP).PostDrain
 
 // complete records the completions just polled into the entries of their
 // work requests (pollSem held).
@@ -1353,7 +1347,7 @@ func (c *conn) destroyVerbs() {
 	c.regMu.Lock()
 	c.regClosed = true
 	for r := range c.regions {
-		if err := deregMR(r.mr); err != nil {
+		if err := r.mr.Dereg(); err != nil {
 			c.log.Warn("rdma close: deregistering a region failed", zap.Bool("quarantined_before", r.quarantined), zap.Error(err))
 		}
 		r.mr = nil

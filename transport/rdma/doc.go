@@ -157,10 +157,20 @@
 //
 // # Tests
 //
-// The tests run transporttest.RunProvider over real connections when a
-// device exists (listening on RBLK_RDMA_ADDR, or the first IPv4 address of
-// the first device's network interface), and skip otherwise. On machines
-// without RDMA hardware, run them in the Soft-RoCE VM:
+// The provider is written against the small device interfaces of the
+// internal package verbs, which the cgo layer implements over rdma-core;
+// its tests implement them with a device in Go (fake_test.go: an RDMA CM
+// and RC queue pairs that execute SEND, RECV, RDMA WRITE and READ and
+// memory-window binds on registered memory, counting every object made
+// and destroyed). So the default go test, without cgo or a device, runs
+// transporttest.RunProvider and the provider's own tests of its rings,
+// selective signaling, windows and error paths over that device.
+//
+// With -tags rdma the tests also run transporttest.RunProvider over real
+// connections when a device exists (listening on RBLK_RDMA_ADDR, or the
+// first IPv4 address of the first device's network interface), and skip
+// those otherwise. On machines without RDMA hardware, run them in the
+// Soft-RoCE VM:
 //
 //	go test -c -tags rdma -o DIR/rdma.test ./transport/rdma/
 //	go test -c -race -tags rdma -o DIR/rdma-race.test ./transport/rdma/

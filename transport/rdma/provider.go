@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -21,10 +21,6 @@ import (
 	"github.com/rblk/rblk/transport/rdma/internal/verbs"
 )
 
-// Supported reports whether this build has the verbs provider (the build
-// tag rdma, on linux with cgo).
-const Supported = true
-
 // listenBacklog is the backlog of rdma_listen.
 const listenBacklog = 128
 
@@ -39,8 +35,14 @@ const minRNRTimer = 12
 const rejectConsumerDefined = 28
 
 type provider struct {
-	opts Options
-	log  *zap.Logger
+	// stack is the RDMA CM and the verbs: librdmacm and libibverbs, or a
+	// test's device.
+	stack verbs.Stack
+	opts  Options
+	log   *zap.Logger
+	// chunk is the longest chain posted with one call: postChunk (tests
+	// take less).
+	chunk int
 
 	// vectors holds, per device name, the completion vector the next
 	// connection's CQ takes (round robin over num_comp_vectors).
@@ -66,15 +68,16 @@ func (p *provider) nextCompVector(dev string, n int) int {
 	return v
 }
 
-func newProvider(devs []string, opts Options) (transport.Provider, error) {
+// newProviderOn returns the provider over stack.
+func newProviderOn(stack verbs.Stack, devs []string, opts Options) (*provider, error) {
 	// Opening an event channel opens /dev/infiniband/rdma_cm: fail now, with
 	// the reason, rather than at the first Listen or Dial.
-	ch, err := verbs.NewEventChannel()
+	ch, err := stack.NewEventChannel()
 	if err != nil {
 		return nil, fmt.Errorf("RDMA devices %v found, but the RDMA CM is unusable (modprobe rdma_ucm; check /dev/infiniband/rdma_cm): %w", devs, err)
 	}
 	ch.Destroy()
-	return &provider{opts: opts, log: opts.Logger}, nil
+	return &provider{stack: stack, opts: opts, log: opts.Logger, chunk: postChunk}, nil
 }
 
 func (p *provider) Name() string { return "rdma" }
@@ -148,7 +151,7 @@ func decodePrivateData(b []byte, flow uint8, capacity int) ([]byte, error) {
 }
 
 // idInfo describes the device, port and GID an id uses, and its address.
-func idInfo(id *verbs.CMID) string {
+func idInfo(id verbs.CMID) string {
 	gid := id.SGID()
 	return fmt.Sprintf("%s port %d gid %s %s", id.DeviceName(), id.Port(), netip.AddrFrom16(gid), id.LocalAddr())
 }
@@ -167,7 +170,7 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := p.stack.NewEventChannel()
 	if err != nil {
 		return nil, err
 	}
@@ -176,7 +179,7 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 		ch.Destroy()
 		return nil, err
 	}
-	id, err := verbs.NewID(ch)
+	id, err := p.stack.NewID(ch)
 	if err == nil {
 		if err = id.Bind(ap); err != nil {
 			if errors.Is(err, syscall.EADDRNOTAVAIL) || errors.Is(err, syscall.ENODEV) {
@@ -207,9 +210,9 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 
 type listener struct {
 	p      *provider
-	ch     *verbs.EventChannel
+	ch     verbs.EventChannel
 	w      *waiter
-	id     *verbs.CMID
+	id     verbs.CMID
 	addr   string
 	info   string
 	sem    chan struct{} // held by Accept, and by Close for good
@@ -300,7 +303,7 @@ func (l *listener) request(ev verbs.Event) (*connReq, error) {
 	if err != nil {
 		return fail(err)
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := l.p.stack.NewEventChannel()
 	if err != nil {
 		return fail(err)
 	}
@@ -345,8 +348,8 @@ func (l *listener) Close() error {
 // connReq is a connect request with its own event channel.
 type connReq struct {
 	p      *provider
-	id     *verbs.CMID
-	ch     *verbs.EventChannel
+	id     verbs.CMID
+	ch     verbs.EventChannel
 	w      *waiter
 	pd     []byte
 	param  verbs.ConnParam
@@ -519,7 +522,7 @@ func (p *provider) Dial(ctx context.Context, addr string, privateData []byte) (t
 }
 
 // cmWait waits for an event of a dialing id, any but the ones to ignore.
-func cmWait(ctx context.Context, ch *verbs.EventChannel, w *waiter) (verbs.Event, error) {
+func cmWait(ctx context.Context, ch verbs.EventChannel, w *waiter) (verbs.Event, error) {
 	for {
 		ev, err := waitEvent(ctx, ch, w)
 		if err != nil || (ev.Type != verbs.EventAddrChange && ev.Type != verbs.EventTimewaitExit) {
@@ -546,7 +549,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := p.stack.NewEventChannel()
 	if err != nil {
 		return nil, err
 	}
@@ -555,7 +558,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 		ch.Destroy()
 		return nil, err
 	}
-	id, err := verbs.NewID(ch)
+	id, err := p.stack.NewID(ch)
 	if err != nil {
 		w.close()
 		ch.Destroy()

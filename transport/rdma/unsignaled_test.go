@@ -76,23 +76,6 @@ func pollFor(c transport.Conn, d time.Duration) ([]transport.Completion, error) 
 	}
 }
 
-// pollN polls c until n completions came (or 10 s passed).
-func pollN(t *testing.T, c transport.Conn, n int) []transport.Completion {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	var got []transport.Completion
-	out := make([]transport.Completion, 16)
-	for len(got) < n {
-		k, err := c.Poll(ctx, out[:min(len(out), n-len(got))])
-		got = append(got, out[:k]...)
-		if err != nil {
-			t.Fatalf("poll: %v after %+v", err, got)
-		}
-	}
-	return got
-}
-
 func (e *devEnv) stats() sigStats {
 	e.ca.sq.mu.Lock()
 	defer e.ca.sq.mu.Unlock()

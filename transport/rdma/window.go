@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -86,7 +86,7 @@ type mwOp struct {
 type window struct {
 	c      *conn
 	r      *region
-	mw     *verbs.MW // nil once deallocated or back in the pool
+	mw     verbs.MW // nil once deallocated or back in the pool
 	addr   uint64
 	length int
 	rkey   uint32
@@ -195,7 +195,7 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 		flags |= verbs.AccessRemoteWrite
 	}
 	if err := c.postMW(op, func() error {
-		return postBindMW(c.qp, op.id, w.mw, r.mr, w.addr, uint64(length), flags, w.rkey)
+		return c.qp.PostBindMW(op.id, w.mw, r.mr, w.addr, uint64(length), flags, w.rkey)
 	}); err != nil {
 		return nil, fmt.Errorf("bind window: %w", err)
 	}
@@ -225,12 +225,6 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	return w, nil
 }
 
-// postBindMW and postLocalInv post on the QP; tests replace them.
-var (
-	postBindMW   = (*verbs.QP).PostBindMW
-	postLocalInv = (*verbs.QP).PostLocalInv
-)
-
 // newWindow takes a memory window from the pool, or allocates one, for a
 // window over r (a slot taken), and puts its bind in a slot.
 func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*window, *mwOp, error) {
@@ -245,7 +239,7 @@ func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*
 	if c.mwClosed || c.broken.Load() {
 		return nil, nil, fmt.Errorf("bind window: %w", transport.ErrClosed)
 	}
-	var mw *verbs.MW
+	var mw verbs.MW
 	if n := len(c.mwFree); n > 0 {
 		mw = c.mwFree[n-1]
 		c.mwFree[n-1] = nil
@@ -267,7 +261,7 @@ func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*
 		mw:     mw,
 		addr:   r.addr + uint64(off),
 		length: length,
-		rkey:   verbs.IncRKey(mw.RKey),
+		rkey:   verbs.IncRKey(mw.RKey()),
 		access: access,
 		state:  winBinding,
 	}
@@ -347,7 +341,7 @@ func (c *conn) freeMWLocked(w *window, reuse bool) {
 	if c.mwClosed {
 		return // teardown deallocates what it finds; this one is gone with it
 	}
-	if err := deallocMW(mw); err != nil {
+	if err := mw.Dealloc(); err != nil {
 		c.log.Warn("rdma: ibv_dealloc_mw", zap.String("remote", c.remote), zap.Error(err))
 		c.mwLeaked = append(c.mwLeaked, mw)
 		w.leaked = true
@@ -355,9 +349,6 @@ func (c *conn) freeMWLocked(w *window, reuse bool) {
 	}
 	c.mwAllocated--
 }
-
-// deallocMW is ibv_dealloc_mw; tests make it fail.
-var deallocMW = (*verbs.MW).Dealloc
 
 // completeMW takes the completion of a bind or invalidate request (pollSem
 // held, the queues' locks not). It reports a failure that breaks the
@@ -407,7 +398,7 @@ func (c *conn) completeMW(id uint64, st transport.Status, vendor uint32) error {
 	close(op.done)
 	c.mwMu.Unlock()
 	if next != nil {
-		if err := c.postMW(next, func() error { return postLocalInv(c.qp, next.id, w.rkey) }); err != nil {
+		if err := c.postMW(next, func() error { return c.qp.PostLocalInv(next.id, w.rkey) }); err != nil {
 			c.log.Debug("rdma: invalidating an abandoned window", zap.Error(err))
 		}
 	} else {
@@ -464,7 +455,7 @@ func (w *window) Invalidate(ctx context.Context) error {
 		op := &mwOp{kind: opInv, w: w}
 		c.startOpLocked(op)
 		c.mwMu.Unlock()
-		if err := c.postMW(op, func() error { return postLocalInv(c.qp, op.id, w.rkey) }); err != nil {
+		if err := c.postMW(op, func() error { return c.qp.PostLocalInv(op.id, w.rkey) }); err != nil {
 			// The window is dead (postMW deallocated its MW) unless the
 			// deallocation failed too.
 			c.mwMu.Lock()
@@ -526,7 +517,7 @@ func (c *conn) destroyWindows() {
 		close(op.done)
 	}
 	c.mwOut = 0
-	var all []*verbs.MW
+	var all []verbs.MW
 	for w := range c.windows {
 		w.state = winDead
 		if w.mw != nil {
@@ -542,7 +533,7 @@ func (c *conn) destroyWindows() {
 	all = append(all, c.mwLeaked...)
 	c.mwFree, c.mwLeaked = nil, nil
 	for _, mw := range all {
-		if err := deallocMW(mw); err != nil {
+		if err := mw.Dealloc(); err != nil {
 			c.log.Warn("rdma close: ibv_dealloc_mw", zap.Error(err))
 			continue
 		}
