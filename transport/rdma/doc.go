@@ -148,7 +148,27 @@
 // completions (Poll returns them afterwards, then transport.ErrClosed),
 // destroys the QP, after which the device touches no buffer, then the CQ,
 // the completion channel, the regions, the PD, the id and its channel, and
-// waits for its goroutine. Close is safe to call twice.
+// waits for its goroutine. Close is safe to call twice, and concurrently:
+// each call returns once the conn is destroyed. A CQ that fails to poll
+// (ibv_poll_cq errors) closes the conn the same way, in the background:
+// nothing is reported while the QP lives, then everything outstanding
+// completes flushed and Poll ends with an ErrClosed that says why.
+//
+// # Connection state
+//
+// A connection has one state (state.go), which only moves forward, each
+// move made once by one transition function under one lock: connecting
+// (Prepare: receives, no sends), established (ESTABLISHED came; the CM
+// goroutine runs), failing (a request was refused at post time: nothing
+// more is posted, the QP works on until that request's turn), draining
+// (broken: the QP is in the error state and flushes), closed (Close began,
+// or the device went, or the CQ failed: the one that moved it there runs
+// the close) and destroyed (the verbs resources are gone). Leaving
+// connecting, established or failing stops the QP once (rdma_disconnect,
+// or a move to the error state for a conn never established). A bind or
+// invalidation of a memory window is ended exactly once, by whichever of
+// its completion, the refusal of its post, the device's removal or the
+// teardown comes first; the others leave it alone.
 //
 // DeviceInfo, on a Conn or a Listener (type-assert to
 // interface{ DeviceInfo() string }), names the device, port and source GID

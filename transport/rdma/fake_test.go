@@ -84,6 +84,9 @@ type fakeFabric struct {
 	acceptEvent func() (verbs.EventType, int)
 	// qpCreated is told of each QP made.
 	qpCreated func(*fakeQP)
+	// execHook, if set, may fail a send-queue request when the device
+	// executes it: it completes with status instead (mu held).
+	execHook func(wr verbs.WR) (status uint32, fail bool)
 }
 
 // newFakeFabric returns a device with type-2 memory windows, of a vendor
@@ -183,9 +186,9 @@ func (f *fakeFabric) counts(kind string) (made, destroyed int) {
 // goes through); call counts the calls of op from 1. fn runs without the
 // device's lock: it may block. The ops: create_event_channel, create_id,
 // bind, listen, resolve_addr, resolve_route, migrate, create_qp, connect,
-// accept, reject, disconnect, query_device, alloc_pd, create_comp_channel,
-// create_cq, reg_mr, dereg_mr, alloc_mw, dealloc_mw, bind_mw, local_inv,
-// post_drain, poll_cq, get_event.
+// accept, reject, disconnect, qp_to_error, query_device, alloc_pd,
+// create_comp_channel, create_cq, reg_mr, dereg_mr, alloc_mw, dealloc_mw,
+// bind_mw, local_inv, post_drain, poll_cq, get_event, get_cq_event.
 func (f *fakeFabric) failOn(op string, fn func(call int) error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -375,6 +378,18 @@ type fakeID struct {
 	listener *fakeID
 	taken    bool
 	param    verbs.ConnParam
+	// disconnects counts the calls of Disconnect.
+	disconnects int
+}
+
+// deadLocked reports a call on a destroyed id (mu held): a use after
+// free in C.
+func (id *fakeID) deadLocked(op string) bool {
+	if id.state == idDead {
+		id.f.problem("%s on a destroyed id", op)
+		return true
+	}
+	return false
 }
 
 func (id *fakeID) Bind(ap netip.AddrPort) error {
@@ -384,6 +399,9 @@ func (id *fakeID) Bind(ap netip.AddrPort) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_bind_addr") {
+		return errno("rdma_bind_addr", syscall.EBADF)
+	}
 	switch {
 	case id.state != idIdle:
 		return errno("rdma_bind_addr", syscall.EINVAL)
@@ -414,6 +432,9 @@ func (id *fakeID) Listen(int) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_listen") {
+		return errno("rdma_listen", syscall.EBADF)
+	}
 	if id.state != idBound {
 		return errno("rdma_listen", syscall.EINVAL)
 	}
@@ -429,6 +450,9 @@ func (id *fakeID) ResolveAddr(dst netip.AddrPort, _ time.Duration) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_resolve_addr") {
+		return errno("rdma_resolve_addr", syscall.EBADF)
+	}
 	if id.state != idIdle {
 		return errno("rdma_resolve_addr", syscall.EINVAL)
 	}
@@ -452,6 +476,9 @@ func (id *fakeID) ResolveRoute(time.Duration) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_resolve_route") {
+		return errno("rdma_resolve_route", syscall.EBADF)
+	}
 	if id.state != idAddrResolved {
 		return errno("rdma_resolve_route", syscall.EINVAL)
 	}
@@ -467,6 +494,9 @@ func (id *fakeID) Migrate(ch verbs.EventChannel) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_migrate_id") {
+		return errno("rdma_migrate_id", syscall.EBADF)
+	}
 	id.ch.ids--
 	id.ch = ch.(*fakeChannel)
 	id.ch.ids++
@@ -488,6 +518,9 @@ func (id *fakeID) CreateQP(pd verbs.PD, cq verbs.CQ, want verbs.QPCaps, chunk in
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_create_qp") {
+		return nil, errno("rdma_create_qp", syscall.EBADF)
+	}
 	if !id.dev || id.qp != nil {
 		return nil, errno("rdma_create_qp", syscall.EINVAL)
 	}
@@ -516,6 +549,9 @@ func (id *fakeID) Connect(p verbs.ConnParam) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_connect") {
+		return errno("rdma_connect", syscall.EBADF)
+	}
 	if id.state != idRouteResolved || id.qp == nil {
 		return errno("rdma_connect", syscall.EINVAL)
 	}
@@ -562,6 +598,9 @@ func (id *fakeID) Accept(p verbs.ConnParam) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_accept") {
+		return errno("rdma_accept", syscall.EBADF)
+	}
 	if id.state != idRequest || id.qp == nil || len(p.PrivateData) > fakeAcceptPD {
 		return errno("rdma_accept", syscall.EINVAL)
 	}
@@ -595,6 +634,9 @@ func (id *fakeID) Reject(pd []byte) error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_reject") {
+		return errno("rdma_reject", syscall.EBADF)
+	}
 	if id.state != idRequest || len(pd) > fakeRejectPD {
 		return errno("rdma_reject", syscall.EINVAL)
 	}
@@ -613,6 +655,10 @@ func (id *fakeID) Disconnect() error {
 	f := id.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if id.deadLocked("rdma_disconnect") {
+		return errno("rdma_disconnect", syscall.EBADF)
+	}
+	id.disconnects++
 	if id.qp != nil {
 		id.qp.toError()
 	}
@@ -1095,6 +1141,16 @@ type fakeQP struct {
 	// counted (no allocation).
 	hold     bool
 	norecord bool
+	// toErrors counts the calls of ToError.
+	toErrors int
+}
+
+// stops returns how many times the provider stopped the QP of c:
+// rdma_disconnect calls on its id, and ToError calls on the QP.
+func (f *fakeFabric) stops(c *conn) (disconnects, toErrors int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return c.id.(*fakeID).disconnects, c.qp.(*fakeQP).toErrors
 }
 
 // setHold holds the QP (see hold) or lets it go on: a QP let go in the
@@ -1251,12 +1307,16 @@ func (qp *fakeQP) PostDrain(id uint64) error {
 func (qp *fakeQP) SetMinRNRTimer(uint8) error { return nil }
 
 func (qp *fakeQP) ToError() error {
+	if err := qp.f.hook("qp_to_error"); err != nil {
+		return err
+	}
 	f := qp.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := qp.usable("ibv_modify_qp"); err != nil {
 		return err
 	}
+	qp.toErrors++
 	qp.toError()
 	return nil
 }
@@ -1386,6 +1446,12 @@ func (qp *fakeQP) run() {
 
 // exec executes one request (mu held).
 func (qp *fakeQP) exec(wr fakeWR, p *fakeQP) {
+	if h := qp.f.execHook; h != nil {
+		if st, fail := h(wr.WR); fail {
+			qp.complete(wr, st, 0)
+			return
+		}
+	}
 	switch wr.Opcode {
 	case verbs.WRBindMW:
 		mw := wr.mw

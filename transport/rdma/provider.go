@@ -43,6 +43,11 @@ type provider struct {
 	// chunk is the longest chain posted with one call: postChunk (tests
 	// take less).
 	chunk int
+	// hooks, set by tests only, run at chosen points of the conns'
+	// code; nil in a program.
+	hooks *testHooks
+	// flushTimeout is flushTimeout (tests take less).
+	flushTimeout time.Duration
 
 	// vectors holds, per device name, the completion vector the next
 	// connection's CQ takes (round robin over num_comp_vectors).
@@ -77,7 +82,7 @@ func newProviderOn(stack verbs.Stack, devs []string, opts Options) (*provider, e
 		return nil, fmt.Errorf("RDMA devices %v found, but the RDMA CM is unusable (modprobe rdma_ucm; check /dev/infiniband/rdma_cm): %w", devs, err)
 	}
 	ch.Destroy()
-	return &provider{stack: stack, opts: opts, log: opts.Logger, chunk: postChunk}, nil
+	return &provider{stack: stack, opts: opts, log: opts.Logger, chunk: postChunk, flushTimeout: flushTimeout}, nil
 }
 
 func (p *provider) Name() string { return "rdma" }
@@ -418,13 +423,20 @@ func (r *connReq) Reject(privateData []byte) error {
 		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
 	}
 	r.state = "rejected"
-	if r.prepared != nil && r.prepared.closing.Load() {
-		// Its owner closed the prepared conn, which destroyed the id (and
-		// so refused the peer).
-		return nil
-	}
 	enc, _ := encodePrivateData(privateData, MaxRejectPrivateData+1)
-	err := r.id.Reject(enc)
+	var err error
+	if c := r.prepared; c != nil {
+		// The prepared conn owns the id: its teardown, if its owner
+		// closed it, destroyed the id (and so refused the peer); cmMu
+		// keeps the teardown off the id meanwhile.
+		c.cmMu.Lock()
+		if c.state() < stateClosed {
+			err = r.id.Reject(enc)
+		}
+		c.cmMu.Unlock()
+	} else {
+		err = r.id.Reject(enc)
+	}
 	r.closeRequest()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
@@ -456,6 +468,9 @@ func (r *connReq) Accept(ctx context.Context, privateData []byte) (transport.Con
 	return c, nil
 }
 
+// accept accepts the request with a conn (the prepared one, or a new one)
+// and waits for the peer's ESTABLISHED. On failure the conn is closed,
+// which destroys the id (and so refuses the peer).
 func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error) {
 	c := r.prepared
 	if c == nil {
@@ -465,8 +480,18 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 			r.release()
 			return nil, err
 		}
-	} else if c.closing.Load() {
-		return nil, fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
+	}
+	// Hold the CM channel (and the id) until start hands it to the CM
+	// goroutine: the owner of a prepared conn may close it meanwhile, and
+	// its teardown waits for cmMu before it destroys them.
+	c.cmMu.Lock()
+	fail := func(err error) (*conn, error) {
+		c.cmMu.Unlock()
+		c.Close()
+		return nil, err
+	}
+	if st := c.state(); st != stateConnecting {
+		return fail(fmt.Errorf("the prepared connection is %v: %w", st, transport.ErrClosed))
 	}
 	// What the peer's request says it issues and serves, seen from here.
 	resp := min(c.respRes, max(r.param.ResponderResources, 1))
@@ -483,8 +508,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 		RNRRetryCount:      rnrRetryInfinite,
 	})
 	if err != nil {
-		c.Close()
-		return nil, err
+		return fail(err)
 	}
 	// The QP is ready to receive: ask the peer to retry a SEND that comes
 	// before its RECV soon rather than after 655 ms.
@@ -494,20 +518,24 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	for {
 		ev, err := waitEvent(ctx, r.ch, r.w)
 		if err != nil {
-			c.Close()
-			return nil, err
+			if errors.Is(err, errWaiterClosed) {
+				err = fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
+			}
+			return fail(err)
 		}
 		switch ev.Type {
 		case verbs.EventEstablished:
-			c.start()
+			c.setNames()
+			if err := c.start(); err != nil {
+				return fail(err)
+			}
 			return c, nil
 		case verbs.EventRejected, verbs.EventConnectError, verbs.EventUnreachable, verbs.EventDisconnected, verbs.EventDeviceRemoval:
-			c.Close()
 			err := fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
 			if ev.Type == verbs.EventDeviceRemoval {
 				err = fmt.Errorf("%w: %w", err, transport.ErrDeviceRemoved)
 			}
-			return nil, err
+			return fail(err)
 		}
 	}
 }
@@ -571,7 +599,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 			return
 		}
 		if c != nil {
-			c.teardown() // destroys id, ch and w too
+			c.Close() // destroys id, ch and w too
 			return
 		}
 		w.close()
@@ -646,7 +674,13 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 	if err := c.qp.SetMinRNRTimer(minRNRTimer); err != nil {
 		c.log.Debug("rdma: min RNR timer not set", zap.Error(err))
 	}
-	c.start()
+	c.setNames()
+	// Nobody else has c yet: start cannot fail, and hands cmMu over.
+	c.cmMu.Lock()
+	if err := c.start(); err != nil {
+		c.cmMu.Unlock()
+		return nil, err
+	}
 	ok = true
 	return c, nil
 }

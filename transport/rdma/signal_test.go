@@ -178,7 +178,7 @@ func TestDrainAfterRefusal(t *testing.T) {
 	if err := c.PostSend(bad, unsig(13)); err != nil {
 		t.Fatal(err)
 	}
-	if !c.broken.Load() {
+	if c.state() != stateFailing {
 		t.Fatal("not broken after a refused request")
 	}
 	wantCompletions(t, emitAll(c))
