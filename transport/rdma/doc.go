@@ -175,6 +175,21 @@
 // in use and the local address, "rxe0 port 1 gid ::ffff:192.0.2.1
 // 192.0.2.1:7480", for logs.
 //
+// # Failpoints
+//
+// Built with the tags rdma and failpoints, the provider injects faults
+// into the device interfaces when FailpointsEnv (RBLK_RDMA_FAILPOINTS)
+// names some: QP and CQ creation, memory-window allocation and bind,
+// post send and receive (a random prefix posted), a send completion
+// turned into RETRY_EXC_ERR, connect and accept errors, REJECTED instead
+// of ESTABLISHED on an accepting side and a real rdma_disconnect in the
+// middle of IO, each with a probability N/M (syntax on FailpointsEnv),
+// from a seeded PRNG. Each injection is logged at warn level and counted
+// (FailpointCounts); every fault is one the device can produce, delivered
+// as the device delivers it. Without the tag the variable is ignored,
+// with a warning. The same injection code runs in the default tests over
+// the fake device.
+//
 // # Tests
 //
 // The provider is written against the small device interfaces of the

@@ -219,33 +219,37 @@ func TestNewConnFailsOnAccept(t *testing.T) {
 	}
 }
 
-// connectOnce dials l through p and accepts.
+// connectOnce dials l through p and accepts; if the dial fails the
+// accept is given up.
 func connectOnce(ctx context.Context, p *provider, l transport.Listener) (a, b transport.Conn, err error) {
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	type res struct {
 		c   transport.Conn
 		err error
 	}
-	ch := make(chan res, 1)
+	accepted := make(chan res, 1)
 	go func() {
-		c, err := p.Dial(ctx, l.Addr(), nil)
-		ch <- res{c, err}
-	}()
-	req, err := l.Accept(ctx)
-	if err == nil {
-		b, err = req.Accept(ctx, nil)
-	}
-	r := <-ch
-	if err == nil {
-		err = r.err
-	}
-	if err != nil {
-		if r.c != nil {
-			r.c.Close()
+		req, err := l.Accept(actx)
+		if err != nil {
+			accepted <- res{nil, err}
+			return
 		}
-		if b != nil {
-			b.Close()
+		c, err := req.Accept(actx, nil)
+		accepted <- res{c, err}
+	}()
+	a, err = p.Dial(ctx, l.Addr(), nil)
+	if err != nil {
+		cancel()
+		if r := <-accepted; r.c != nil {
+			r.c.Close()
 		}
 		return nil, nil, err
 	}
-	return r.c, b, nil
+	r := <-accepted
+	if r.err != nil {
+		a.Close()
+		return nil, nil, r.err
+	}
+	return a, r.c, nil
 }

@@ -48,6 +48,8 @@ type provider struct {
 	hooks *testHooks
 	// flushTimeout is flushTimeout (tests take less).
 	flushTimeout time.Duration
+	// fp are the failpoints injecting faults (nil: none).
+	fp *failpoints
 
 	// vectors holds, per device name, the completion vector the next
 	// connection's CQ takes (round robin over num_comp_vectors).
@@ -86,6 +88,17 @@ func newProviderOn(stack verbs.Stack, devs []string, opts Options) (*provider, e
 }
 
 func (p *provider) Name() string { return "rdma" }
+
+// FailpointCounts reports how many faults each failpoint of FailpointsEnv
+// injected (a program built with the tag failpoints), by name; nil without
+// failpoints. Type-assert the provider to
+// interface{ FailpointCounts() map[string]uint64 }.
+func (p *provider) FailpointCounts() map[string]uint64 {
+	if p.fp == nil {
+		return nil
+	}
+	return p.fp.counts()
+}
 
 // resolve parses host:port; an empty host is the IPv4 wildcard when
 // listening.

@@ -11,11 +11,17 @@ import (
 // tag rdma, on linux with cgo).
 const Supported = true
 
-// newProvider returns the provider over librdmacm and libibverbs.
+// newProvider returns the provider over librdmacm and libibverbs (with
+// the faults of FailpointsEnv injected in a build with failpoints).
 func newProvider(devs []string, opts Options) (transport.Provider, error) {
-	p, err := newProviderOn(verbs.Open(), devs, opts)
+	stack, fp, err := withFailpoints(verbs.Open(), opts.Logger)
 	if err != nil {
 		return nil, err
 	}
+	p, err := newProviderOn(stack, devs, opts)
+	if err != nil {
+		return nil, err
+	}
+	p.fp = fp
 	return p, nil
 }
