@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -683,9 +684,7 @@ func TestClosePostSendRace(t *testing.T) {
 				a.Close()
 				close(closed)
 			}()
-			for a.state() < stateClosed {
-				time.Sleep(time.Millisecond)
-			}
+			waitUntil(t, func() bool { return a.state() >= stateClosed })
 		}
 		return n, nil
 	})
@@ -726,6 +725,17 @@ func TestCloseConcurrent(t *testing.T) {
 			t.Fatal(err)
 		}
 		rng := rand.New(rand.NewPCG(uint64(round), 7))
+		// Close lands after the k-th operation of the workers, a
+		// different point each round.
+		k := int64(rng.IntN(60))
+		var ops atomic.Int64
+		reached := make(chan struct{})
+		var once sync.Once
+		step := func() {
+			if ops.Add(1) >= k {
+				once.Do(func() { close(reached) })
+			}
+		}
 		var wg sync.WaitGroup
 		var mu sync.Mutex
 		posted := map[uint64]bool{}
@@ -748,15 +758,19 @@ func TestCloseConcurrent(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
+				defer once.Do(func() { close(reached) })
 				for i := range 20 {
+					step()
 					w, err := b.BindWindow(context.Background(), r, 4096*g, 4096, transport.AccessRemoteRead)
 					if err != nil {
 						return
 					}
+					step()
 					w.Invalidate(context.Background())
 					id := uint64(g*1000 + i)
 					wr := nop(id)
 					wr.Unsignaled = i%3 == 0
+					step()
 					if err := b.PostSend(wr); err == nil && !wr.Unsignaled {
 						mu.Lock()
 						posted[id] = true
@@ -765,7 +779,7 @@ func TestCloseConcurrent(t *testing.T) {
 				}
 			}()
 		}
-		time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond) // where Close lands: any point is right
+		<-reached
 		wg.Add(2)
 		for range 2 {
 			go func() {
@@ -792,6 +806,18 @@ func TestCloseConcurrent(t *testing.T) {
 		}
 		a.Close()
 		f.waitClean(t)
+	}
+}
+
+// waitUntil polls cond until it holds, and fails t after 10 s.
+func waitUntil(t testing.TB, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("the condition waited for never held")
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -830,9 +856,7 @@ func TestDeviceRemovalDuringClose(t *testing.T) {
 		a.Close()
 		close(done)
 	}()
-	for a.state() < stateClosed {
-		time.Sleep(time.Millisecond)
-	}
+	waitUntil(t, func() bool { return a.state() >= stateClosed })
 	f.removeDevice()
 	select {
 	case <-done:
