@@ -33,6 +33,18 @@ func newFakeProvider(t testing.TB, f *fakeFabric, opts Options) *provider {
 	return p
 }
 
+// deviceOrFake returns a provider over the RDMA device and the address
+// to listen on, where there is one (a build with the tag rdma), else the
+// provider over a fake device of its own.
+func deviceOrFake(tb testing.TB, opts Options) (transport.Provider, string) {
+	tb.Helper()
+	if Supported && len(Devices()) > 0 {
+		return testProvider(tb, opts)
+	}
+	tb.Logf("no RDMA device: over the fake device")
+	return newFakeProvider(tb, newFakeFabric(tb), opts), fakeAddr.String()
+}
+
 // fakePair connects a (dialed) and b (accepted) through p over the fake
 // device; they are closed when t ends.
 func fakePair(t testing.TB, p *provider) (a, b *conn) {
