@@ -428,10 +428,11 @@ func memlockHint(err error) error {
 	cur := "unknown"
 	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil {
 		if lim.Cur == unix.RLIM_INFINITY {
-			cur = "unlimited"
-		} else {
-			cur = fmt.Sprintf("%d KiB", lim.Cur>>10)
+			// Not the memlock limit: the device itself is out of memory
+			// (or of the objects asked for).
+			return err
 		}
+		cur = fmt.Sprintf("%d KiB", lim.Cur>>10)
 	}
 	return fmt.Errorf("%w: the memory locked for RDMA exceeds the memlock limit (%s): raise the memlock limit (ulimit -l unlimited, or LimitMEMLOCK=infinity in the systemd unit)", err, cur)
 }
