@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -35,6 +35,8 @@ const (
 	// flushTimeout bounds how long Close waits for the flush completions
 	// of what is outstanding before it destroys the QP regardless.
 	flushTimeout = 5 * time.Second
+	// flushRetry is how soon Close polls again a CQ that failed to poll.
+	flushRetry = 10 * time.Millisecond
 	// maxMessage is the largest message (a limit of the IB spec).
 	maxMessage = 1 << 31
 	// recvBit marks the wr_id of receives.
@@ -77,12 +79,11 @@ type entry struct {
 // of a queue come in posting order, so an entry whose completion is polled
 // is always the oldest one posted to the QP.
 type ring struct {
-	mu     sync.Mutex
-	ents   []entry
-	head   uint64
-	tail   uint64
-	hwOut  int  // entries posted to the QP whose completion is not polled
-	closed bool // Close began: nothing more is posted
+	mu    sync.Mutex
+	ents  []entry
+	head  uint64
+	tail  uint64
+	hwOut int // entries posted to the QP whose completion is not polled
 	// Send queue only:
 	// scan: the entries before it are covered (none of them is hw).
 	scan uint64
@@ -111,14 +112,17 @@ type conn struct {
 	p   *provider
 	log *zap.Logger
 
-	id  *verbs.CMID
-	ch  *verbs.EventChannel
+	id  verbs.CMID
+	ch  verbs.EventChannel
 	cmw *waiter
-	pd  *verbs.PD
-	cc  *verbs.CompChannel
+	pd  verbs.PD
+	cc  verbs.CompChannel
 	cqw *waiter
-	cq  *verbs.CQ
-	qp  *verbs.QP
+	cq  verbs.CQ
+	qp  verbs.QP
+
+	// hooks are the test hooks of the provider (nil in a program).
+	hooks *testHooks
 
 	inline    int
 	respRes   uint8
@@ -150,29 +154,27 @@ type conn struct {
 	unacked int           // completion events not acknowledged (pollSem)
 	tryCQ   func(uintptr) bool
 
-	stateMu      sync.Mutex
-	broken       atomic.Bool // nothing more may be posted
-	failed       atomic.Bool // a work request failed: later ones are flushed
-	cause        error
-	disconnected bool
-	destroyed    atomic.Bool // the verbs resources are gone (set under stateMu)
+	// st is the connState (state.go), written by transition under
+	// stateMu, with cause: why the conn broke or closed.
+	stateMu sync.Mutex
+	st      atomic.Uint32
+	cause   error
+	// closed is closed, once, by the one that moved the conn to
+	// stateClosed, when it is destroyed.
+	closed chan struct{}
+	// cmMu is held by whoever reads the RDMA CM channel of the conn: an
+	// Accept waiting for ESTABLISHED, then the CM goroutine for its life
+	// (start hands it over); teardown takes it, after closing the
+	// waiter, before it destroys the id and the channel.
+	cmMu sync.Mutex
 
-	// started: the connection is established and its CM goroutine runs.
-	// A conn of Prepare takes registrations and receives before, but no
-	// sends.
-	started atomic.Bool
+	// failureReported: a failed work request was reported (complete,
+	// emit): a request refused at post time after it completes flushed,
+	// and no other failure is logged.
+	failureReported atomic.Bool
 
-	// removed: the device is gone; nothing touches the CQ any more.
-	removed atomic.Bool
-
-	closeOnce sync.Once
-	closing   atomic.Bool   // Close began: Poll leaves the CQ to it
-	closed    chan struct{} // closed when Close is done
-	cmDone    chan struct{} // closed when the CM goroutine is gone; nil before start
-
-	regMu     sync.Mutex
-	regions   map[*region]struct{}
-	regClosed bool
+	regMu   sync.Mutex
+	regions map[*region]struct{}
 
 	// Memory windows (window.go).
 	mwSupported atomic.Bool // the device has type-2 windows
@@ -183,11 +185,9 @@ type conn struct {
 	mwMu          sync.Mutex    // after regMu and sq.mu
 	mwOps         [windowSlots]*mwOp
 	mwGen         uint64
-	mwOut         int // requests posted, completion not polled
-	mwFree        []*verbs.MW
-	mwLeaked      []*verbs.MW // ibv_dealloc_mw failed; teardown tries again
+	mwFree        []verbs.MW
+	mwLeaked      []verbs.MW // ibv_dealloc_mw failed; teardown tries again
 	mwAllocated   int
-	mwClosed      bool
 	windows       map[*window]struct{} // not dead
 }
 
@@ -221,7 +221,7 @@ type sigStats struct {
 // newConn makes the verbs resources of a conn on id (whose address, and
 // route, are resolved): PD, completion channel, CQ, QP. On failure it
 // destroys what it made, but not id, ch and w.
-func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c *conn, err error) {
+func newConn(p *provider, id verbs.CMID, ch verbs.EventChannel, w *waiter) (*conn, error) {
 	ctx := id.Context()
 	if ctx == nil {
 		return nil, errors.New("the RDMA CM id is bound to no device")
@@ -244,9 +244,10 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 		sqDepth = sqDepth * (attr.MaxCQE - extra) / cqe
 		rqDepth = attr.MaxCQE - extra - sqDepth
 	}
-	c = &conn{
+	c := &conn{
 		p:         p,
 		log:       p.log,
+		hooks:     p.hooks,
 		id:        id,
 		ch:        ch,
 		cmw:       w,
@@ -264,8 +265,11 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 	c.compVector = p.nextCompVector(id.DeviceName(), ctx.NumCompVectors())
 	c.sq.ents = make([]entry, sqDepth)
 	c.rq.ents = make([]entry, rqDepth)
+	// On failure, what was made is destroyed. (Not with named results:
+	// a return nil, err would leave the cleanup a nil conn.)
+	ok := false
 	defer func() {
-		if err != nil {
+		if !ok {
 			c.destroyVerbs()
 		}
 	}()
@@ -282,40 +286,55 @@ func newConn(p *provider, id *verbs.CMID, ch *verbs.EventChannel, w *waiter) (c 
 		return nil, memlockHint(err)
 	}
 	want := verbs.QPCaps{SendWR: sqDepth + extra, RecvWR: rqDepth, InlineData: maxInline}
-	chunk := min(postChunk, max(sqDepth, rqDepth))
+	chunk := min(p.chunk, max(sqDepth, rqDepth))
 	if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 		want.InlineData = 0
 		if c.qp, err = id.CreateQP(c.pd, c.cq, want, chunk); err != nil {
 			return nil, memlockHint(err)
 		}
 	}
-	c.inline = c.qp.Caps.InlineData
+	c.inline = c.qp.Caps().InlineData
 	c.limits = transport.Limits{
 		SendQueueDepth:   sqDepth,
 		RecvQueueDepth:   rqDepth,
 		MaxReadsInFlight: int(c.initDepth),
 		MaxPrivateData:   MaxConnectPrivateData,
 	}
+	ok = true
 	return c, nil
 }
 
-// start runs the goroutine that watches the RDMA CM events of an
-// established conn.
-func (c *conn) start() {
-	c.started.Store(true)
-	c.local = c.id.LocalAddr().String()
-	c.remote = c.id.PeerAddr().String()
-	c.info = idInfo(c.id)
+// start moves a conn whose peer confirmed the connection (ESTABLISHED)
+// to established, and runs the goroutine that watches its RDMA CM events,
+// which takes over cmMu from the caller (who holds it). It fails, and the
+// caller keeps cmMu, if the conn was closed meanwhile (a conn of Prepare,
+// closed by its owner).
+func (c *conn) start() error {
+	if from, ok := c.transition(stateEstablished, nil); !ok {
+		return fmt.Errorf("the connection is %v: %w", from, transport.ErrClosed)
+	}
 	c.log.Debug("rdma connection established", zap.String("device", c.info), zap.String("remote", c.remote),
 		zap.Uint32("qp", c.qp.Num()), zap.Int("send_queue", c.limits.SendQueueDepth),
 		zap.Int("recv_queue", c.limits.RecvQueueDepth), zap.Int("reads_in_flight", c.limits.MaxReadsInFlight),
 		zap.Int("inline", c.inline), zap.Duration("busy_poll", c.busy), zap.Int("comp_vector", c.compVector))
-	c.cmDone = make(chan struct{})
 	go c.cmLoop()
+	return nil
 }
 
+// setNames records the addresses and device of an established conn, for
+// LocalAddr, RemoteAddr and DeviceInfo (before its owner gets it).
+func (c *conn) setNames() {
+	c.local = c.id.LocalAddr().String()
+	if c.remote == "" {
+		c.remote = c.id.PeerAddr().String()
+	}
+	c.info = idInfo(c.id)
+}
+
+// cmLoop reads the RDMA CM events of an established conn until teardown
+// closes the waiter (or the device goes); it holds cmMu, from start.
 func (c *conn) cmLoop() {
-	defer close(c.cmDone)
+	defer c.cmMu.Unlock()
 	for {
 		ev, err := waitEvent(context.Background(), c.ch, c.cmw)
 		if err != nil {
@@ -346,24 +365,28 @@ func (c *conn) handleEvent(ev verbs.Event) (stop bool) {
 	return false
 }
 
-// deviceRemoved breaks the conn whose device is gone. The device will not
-// flush the work requests outstanding, so they complete flushed now, and
-// Poll, which no longer touches the CQ, returns them and then an error
-// matching transport.ErrDeviceRemoved (and ErrClosed). The verbs resources
-// are released at once in the background, as the kernel waits for them to
-// finish removing the device; the owner's Close waits for that.
+// deviceRemoved closes the conn whose device is gone. The device will not
+// flush the work requests outstanding, so they complete flushed now (the
+// window requests too), and Poll, which leaves the CQ to Close from now
+// on, returns them and then an error matching transport.ErrDeviceRemoved
+// (and ErrClosed). The verbs resources are released at once in the
+// background, as the kernel waits for them to finish removing the device;
+// the owner's Close waits for that. (If the owner's Close began already,
+// the flush lets it go on at once.)
 func (c *conn) deviceRemoved() {
 	c.log.Warn("rdma: the RDMA device of the connection was removed; breaking it",
 		zap.String("remote", c.remote), zap.String("device", c.info))
-	c.removed.Store(true)
+	_, began := c.transition(stateClosed, fmt.Errorf("%w (%s)", transport.ErrDeviceRemoved, c.info))
 	c.flushOutstanding()
-	c.breakConn(fmt.Errorf("%w (%s)", transport.ErrDeviceRemoved, c.info))
-	go c.Close()
+	c.cqw.kick()
+	if began {
+		go c.finishClose()
+	}
 }
 
 // flushOutstanding completes every work request posted to the QP whose
-// completion was not polled as flushed, for a QP that will report nothing
-// more.
+// completion was not polled as flushed, and every window request, for a
+// QP that will report nothing more (the conn is closed, or destroyed).
 func (c *conn) flushOutstanding() {
 	for _, r := range [2]*ring{&c.sq, &c.rq} {
 		r.mu.Lock()
@@ -384,6 +407,7 @@ func (c *conn) flushOutstanding() {
 		}
 		r.mu.Unlock()
 	}
+	c.flushWindows()
 }
 
 func (c *conn) PeerPrivateData() []byte  { return bytes.Clone(c.peerPD) }
@@ -404,10 +428,11 @@ func memlockHint(err error) error {
 	cur := "unknown"
 	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil {
 		if lim.Cur == unix.RLIM_INFINITY {
-			cur = "unlimited"
-		} else {
-			cur = fmt.Sprintf("%d KiB", lim.Cur>>10)
+			// Not the memlock limit: the device itself is out of memory
+			// (or of the objects asked for).
+			return err
 		}
+		cur = fmt.Sprintf("%d KiB", lim.Cur>>10)
 	}
 	return fmt.Errorf("%w: the memory locked for RDMA exceeds the memlock limit (%s): raise the memlock limit (ulimit -l unlimited, or LimitMEMLOCK=infinity in the systemd unit)", err, cur)
 }
@@ -462,8 +487,8 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 	}
 	c.regMu.Lock()
 	defer c.regMu.Unlock()
-	if c.regClosed {
-		return nil, fmt.Errorf("register: %w", transport.ErrClosed)
+	if st := c.state(); st >= stateClosed {
+		return nil, fmt.Errorf("register: the connection is %v: %w", st, transport.ErrClosed)
 	}
 	if q := c.quarantinedOverlap(buf); q != nil {
 		return nil, fmt.Errorf("register %d bytes: the memory overlaps a region whose deregistration failed (%d bytes at %#x): %w",
@@ -478,8 +503,8 @@ func (c *conn) Register(buf []byte, access transport.Access) (transport.Region, 
 		buf:    buf,
 		addr:   uint64(uintptr(unsafe.Pointer(&buf[0]))),
 		mr:     mr,
-		lkey:   mr.LKey,
-		rkey:   mr.RKey,
+		lkey:   mr.LKey(),
+		rkey:   mr.RKey(),
 		access: access,
 	}
 	c.regions[r] = struct{}{}
@@ -491,7 +516,7 @@ type region struct {
 	c      *conn
 	buf    []byte
 	addr   uint64
-	mr     *verbs.MR // nil once deregistered (c.regMu)
+	mr     verbs.MR // nil once deregistered (c.regMu)
 	lkey   uint32
 	rkey   uint32
 	access transport.Access
@@ -508,9 +533,6 @@ func (r *region) LKey() uint32             { return r.lkey }
 func (r *region) RKey() uint32             { return r.rkey }
 func (r *region) Access() transport.Access { return r.access }
 
-// deregMR is ibv_dereg_mr; tests make it fail.
-var deregMR = (*verbs.MR).Dereg
-
 // Deregister deregisters the MR. If ibv_dereg_mr fails, the MR stays
 // registered, so the peer may still reach the memory with its rkey: the
 // region is quarantined (kept, its memory refused to Register on this conn)
@@ -526,7 +548,7 @@ func (r *region) Deregister() error {
 	}
 	err := c.killWindowsLocked(r)
 	if err == nil {
-		err = deregMR(r.mr)
+		err = r.mr.Dereg()
 	}
 	if err != nil {
 		if !r.quarantined {
@@ -612,13 +634,14 @@ func (c *conn) PostSend(wrs ...transport.WorkRequest) error {
 	}
 	r := &c.sq
 	r.mu.Lock()
-	if r.closed || c.broken.Load() {
-		r.mu.Unlock()
-		return transport.ErrClosed
-	}
-	if !c.started.Load() {
+	switch c.state() {
+	case stateEstablished:
+	case stateConnecting:
 		r.mu.Unlock()
 		return fmt.Errorf("post send: %w", transport.ErrNotAccepted)
+	default:
+		r.mu.Unlock()
+		return transport.ErrClosed
 	}
 	if int(r.tail-r.head)+len(wrs) > len(r.ents) {
 		r.mu.Unlock()
@@ -743,7 +766,7 @@ func (c *conn) postStaged(r *ring, n int, start uint64, startRun int, posted *in
 func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	r := &c.rq
 	r.mu.Lock()
-	if r.closed || c.broken.Load() {
+	if c.state() > stateEstablished {
 		r.mu.Unlock()
 		return transport.ErrClosed
 	}
@@ -825,40 +848,19 @@ func (c *conn) PostRecv(rrs ...transport.RecvRequest) error {
 	return nil
 }
 
-// markBroken stops posting without breaking the QP yet: a request refused
-// at post time breaks it when it completes, after those before it.
+// markBroken stops posting without breaking the QP yet (stateFailing): a
+// request refused at post time breaks it when it completes, after those
+// before it.
 func (c *conn) markBroken(cause error) {
-	c.stateMu.Lock()
-	if c.cause == nil {
-		c.cause = cause
-	}
-	c.broken.Store(true)
-	c.stateMu.Unlock()
+	c.transition(stateFailing, cause)
 	c.cqw.kick()
 }
 
-// breakConn breaks the connection: the QP moves to the error state, which
-// flushes every outstanding work request, and the peer is told
-// (rdma_disconnect); a Poll waiting is woken.
+// breakConn breaks the connection (stateDraining): the QP moves to the
+// error state, which flushes every outstanding work request, and the peer
+// is told (rdma_disconnect); a Poll waiting is woken.
 func (c *conn) breakConn(cause error) {
-	c.stateMu.Lock()
-	if c.cause == nil {
-		c.cause = cause
-	}
-	c.broken.Store(true)
-	if !c.disconnected && !c.destroyed.Load() {
-		c.disconnected = true
-		if c.started.Load() {
-			if err := c.id.Disconnect(); err != nil {
-				c.log.Debug("rdma_disconnect", zap.String("remote", c.remote), zap.Error(err))
-			}
-		} else if err := c.qp.ToError(); err != nil {
-			// Not connected (a conn of Prepare, or one whose accept
-			// failed): rdma_disconnect would not flush the receives.
-			c.log.Debug("rdma: moving the QP to the error state", zap.String("remote", c.remote), zap.Error(err))
-		}
-	}
-	c.stateMu.Unlock()
+	c.transition(stateDraining, cause)
 	c.cqw.kick()
 }
 
@@ -934,7 +936,7 @@ func (c *conn) postDrain() {
 		return
 	}
 	c.drainSeq = r.tail
-	if err := postDrain(c.qp, drainWRID); err != nil {
+	if err := c.qp.PostDrain(drainWRID); err != nil {
 		// Those requests stay posted until Close gives up on them
 		// (flushTimeout) and completes them flushed.
 		c.drain = drainDone
@@ -944,9 +946,6 @@ func (c *conn) postDrain() {
 	}
 	c.drain = drainPosted
 }
-
-// postDrain posts the drain request; tests replace it.
-var postDrain = (*verbs.QP).PostDrain
 
 // complete records the completions just polled into the entries of their
 // work requests (pollSem held).
@@ -967,7 +966,7 @@ func (c *conn) complete(wcs []verbs.WC) {
 			case transport.StatusFlushed:
 				flushed = true
 			default:
-				if failure == nil && !c.failed.Load() {
+				if failure == nil && !c.failureReported.Load() {
 					failure = fmt.Errorf("the drain request failed: %s (vendor_err %#x)", verbs.StatusString(wc.Status), wc.VendorErr)
 				}
 			}
@@ -1021,7 +1020,7 @@ func (c *conn) complete(wcs []verbs.WC) {
 			flushed = true
 		default:
 			comp.VendorErr = wc.Status<<24 | wc.VendorErr&0xffffff
-			if failure == nil && !c.failed.Load() {
+			if failure == nil && !c.failureReported.Load() {
 				failure = fmt.Errorf("%v request %d failed: %v (%s, vendor_err %#x)", comp.Op, comp.ID, comp.Status, verbs.StatusString(wc.Status), wc.VendorErr)
 				c.log.Warn("rdma work request failed", zap.String("remote", c.remote), zap.Stringer("op", comp.Op),
 					zap.Uint64("id", comp.ID), zap.String("status", verbs.StatusString(wc.Status)), zap.Uint32("vendor_err", wc.VendorErr))
@@ -1038,15 +1037,15 @@ func (c *conn) complete(wcs []verbs.WC) {
 		if st == transport.StatusFlushed {
 			flushed = true
 		}
-		if err := c.completeMW(wc.ID, st, wc.VendorErr); err != nil && failure == nil && !c.failed.Load() {
+		if err := c.completeMW(wc.ID, st, wc.VendorErr); err != nil && failure == nil && !c.failureReported.Load() {
 			failure = err
 			c.log.Warn("rdma work request failed", zap.String("remote", c.remote), zap.Error(err))
 		}
 	}
 	if failure != nil {
-		c.failed.Store(true)
+		c.failureReported.Store(true)
 		c.breakConn(failure)
-	} else if flushed && !c.broken.Load() {
+	} else if flushed && c.state() < stateDraining {
 		c.breakConn(errors.New("work requests flushed: the queue pair is in the error state"))
 	}
 }
@@ -1074,7 +1073,7 @@ func (c *conn) emit(out []transport.Completion) int {
 				// A request refused at post time: flushed if the
 				// connection failed before its turn, else it is the
 				// failure that breaks it now.
-				if c.failed.Swap(true) {
+				if c.failureReported.Swap(true) {
 					comp.Status = transport.StatusFlushed
 				} else if refused == nil {
 					refused = fmt.Errorf("%v request %d: %v", comp.Op, comp.ID, comp.Status)
@@ -1105,7 +1104,7 @@ func (c *conn) emit(out []transport.Completion) int {
 // finished reports whether the connection is broken and every completion
 // was returned.
 func (c *conn) finished() bool {
-	if !c.broken.Load() {
+	if c.state() < stateFailing {
 		return false
 	}
 	c.sq.mu.Lock()
@@ -1144,20 +1143,31 @@ func (c *conn) tryCQEvent(uintptr) bool {
 	return ok
 }
 
-// pollCQ polls a batch of completions (pollSem held) and records them in
-// their work requests, where emit finds them: a caller that takes fewer at
-// a time gets the rest without another ibv_poll_cq. With arm, an empty CQ
-// is armed and polled again.
-func (c *conn) pollCQ(arm bool) int {
+// pollCQ polls a batch of completions (pollSem held, the QP alive) and
+// records them in their work requests, where emit finds them: a caller
+// that takes fewer at a time gets the rest without another ibv_poll_cq.
+// With arm, an empty CQ is armed and polled again.
+func (c *conn) pollCQ(arm bool) (int, error) {
 	k, err := c.cq.Poll(pollBatch, arm)
 	if err != nil {
-		c.breakConn(err)
-		return 0
+		return 0, err
 	}
 	if k > 0 {
 		c.complete(c.cq.WCs()[:k])
 	}
-	return k
+	return k, nil
+}
+
+// cqFailed closes a conn whose CQ cannot be polled (pollSem held): the
+// device may still execute what is posted, so nothing is reported until
+// the QP is destroyed; Close's teardown, run in the background, then
+// completes it all flushed, and Poll returns that and an ErrClosed that
+// says why.
+func (c *conn) cqFailed(err error) {
+	c.log.Warn("rdma: polling the completion queue failed; closing the connection", zap.String("remote", c.remote), zap.Error(err))
+	if _, began := c.transition(stateClosed, fmt.Errorf("polling the completion queue: %w", err)); began {
+		go c.finishClose()
+	}
 }
 
 // Poll returns completions, oldest first per queue. When none is ready it
@@ -1182,20 +1192,13 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 		if n := c.emit(out); n > 0 {
 			return n, nil
 		}
-		alive := !c.destroyed.Load() && !c.removed.Load()
-		if alive && c.broken.Load() {
-			c.postDrain()
-		}
-		// Without busy polling, an empty CQ is armed in the same call, and
-		// polled again after that.
-		arm := c.busy <= 0 || spun
-		if alive && c.pollCQ(arm) > 0 {
-			continue
-		}
-		if c.finished() || !alive {
+		st := c.state()
+		if st == stateDestroyed || c.finished() {
+			// (Destroyed: teardown completed everything, and emit
+			// returned it.)
 			return 0, c.closedErr()
 		}
-		if c.closing.Load() {
+		if st == stateClosed {
 			// Close collects the flush completions and destroys the QP;
 			// what it collected is returned after it.
 			<-c.pollSem
@@ -1211,15 +1214,34 @@ func (c *conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 			held = true
 			continue
 		}
+		if st >= stateFailing {
+			c.postDrain()
+		}
+		// Without busy polling, an empty CQ is armed in the same call, and
+		// polled again after that.
+		arm := c.busy <= 0 || spun
+		k, err := c.pollCQ(arm)
+		if err != nil {
+			c.cqFailed(err)
+			continue
+		}
+		if k > 0 {
+			continue
+		}
+		if c.finished() {
+			return 0, c.closedErr()
+		}
 		if !arm {
 			spun = true
 			k, err := c.cq.PollSpin(pollBatch, c.busy)
-			if err == nil && k > 0 {
+			if err != nil {
+				c.cqFailed(err)
+			} else if k > 0 {
 				c.complete(c.cq.WCs()[:k])
 			}
 			continue
 		}
-		err := c.cqw.wait(ctx, gen, c.tryCQ)
+		err = c.cqw.wait(ctx, gen, c.tryCQ)
 		switch {
 		case err == nil, errors.Is(err, errKicked):
 			spun = false
@@ -1248,30 +1270,34 @@ func (c *conn) acquirePoll(ctx context.Context) error {
 
 // Close disconnects (the QP flushes what is outstanding), collects the
 // flush completions for Poll, destroys the QP, so that the device touches
-// no buffer any more, and then the rest.
+// no buffer any more, and then the rest. It returns once that is done,
+// whoever began it: it is safe to call twice, and concurrently.
 func (c *conn) Close() error {
-	c.closeOnce.Do(func() {
-		for _, r := range [2]*ring{&c.sq, &c.rq} {
-			r.mu.Lock()
-			r.closed = true
-			r.mu.Unlock()
-		}
-		c.closing.Store(true)
-		c.breakConn(errLocalClose)
-		c.pollSem <- struct{}{}
-		c.drainFlushes()
-		c.teardown()
-		<-c.pollSem
-		close(c.closed)
-	})
+	if _, began := c.transition(stateClosed, errLocalClose); began {
+		c.finishClose()
+	}
+	<-c.closed
 	return nil
 }
 
+// finishClose does Close's work, once: in the goroutine that moved the
+// conn to stateClosed (Close, or the background after a device removal
+// or a CQ failure).
+func (c *conn) finishClose() {
+	c.cqw.kick() // a Poll asleep leaves the CQ to Close
+	c.pollSem <- struct{}{}
+	c.drainFlushes()
+	c.teardown()
+	<-c.pollSem
+	close(c.closed)
+}
+
 // drainFlushes polls until every request posted to the QP has completed,
-// or flushTimeout passed (pollSem held).
+// or flushTimeout passed (pollSem held). A CQ that fails to poll is tried
+// again every flushRetry.
 func (c *conn) drainFlushes() {
-	deadline := time.Now().Add(flushTimeout)
-	for !c.removed.Load() {
+	deadline := time.Now().Add(c.p.flushTimeout)
+	for {
 		c.postDrain()
 		c.sq.mu.Lock()
 		c.rq.mu.Lock()
@@ -1286,38 +1312,43 @@ func (c *conn) drainFlushes() {
 			return
 		}
 		gen := c.cqw.gen.Load()
-		if c.pollCQ(true) > 0 {
+		k, err := c.pollCQ(true)
+		if k > 0 {
 			continue
 		}
-		if time.Now().After(deadline) {
+		now := time.Now()
+		if now.After(deadline) {
 			c.log.Warn("rdma close: work requests not flushed in time; destroying the QP", zap.String("remote", c.remote), zap.Int("outstanding", left))
 			return
 		}
-		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		until := deadline
+		if err != nil && now.Add(flushRetry).Before(deadline) {
+			until = now.Add(flushRetry)
+		}
+		ctx, cancel := context.WithDeadline(context.Background(), until)
 		c.cqw.wait(ctx, gen, c.tryCQ)
 		cancel()
 	}
 }
 
-// teardown destroys everything in order (pollSem held, or the conn was
-// never started): the QP first, then the CQ and its channel, the regions,
-// the PD, the id and its channel. Requests still outstanding complete as
-// flushed.
+// teardown destroys everything in order (pollSem held, the conn closed):
+// the QP first, then the CQ and its channel, the regions, the PD, the id
+// and its channel. Requests still outstanding complete as flushed.
 func (c *conn) teardown() {
-	c.stateMu.Lock()
-	c.destroyed.Store(true)
-	c.broken.Store(true)
-	c.stateMu.Unlock()
-	c.cmw.close()
-	if c.cmDone != nil {
-		<-c.cmDone
-	}
-	c.destroyVerbs()
+	c.transition(stateDestroyed, nil)
+	// A post that saw the conn alive holds its ring's lock: once each
+	// lock was had, none is left, and every later post sees it
+	// destroyed. (postMW posts under the send ring's lock too.)
 	for _, r := range [2]*ring{&c.sq, &c.rq} {
 		r.mu.Lock()
-		r.closed = true
+		//lint:ignore SA2001 an empty critical section: a barrier
 		r.mu.Unlock()
 	}
+	c.cmw.close()
+	// The CM goroutine, or an Accept waiting for ESTABLISHED, is gone.
+	c.cmMu.Lock()
+	defer c.cmMu.Unlock()
+	c.destroyVerbs()
 	c.flushOutstanding()
 	if err := c.id.Destroy(); err != nil {
 		c.log.Warn("rdma close", zap.Error(err))
@@ -1351,9 +1382,8 @@ func (c *conn) destroyVerbs() {
 		}
 	}
 	c.regMu.Lock()
-	c.regClosed = true
 	for r := range c.regions {
-		if err := deregMR(r.mr); err != nil {
+		if err := r.mr.Dereg(); err != nil {
 			c.log.Warn("rdma close: deregistering a region failed", zap.Bool("quarantined_before", r.quarantined), zap.Error(err))
 		}
 		r.mr = nil

@@ -148,19 +148,64 @@
 // completions (Poll returns them afterwards, then transport.ErrClosed),
 // destroys the QP, after which the device touches no buffer, then the CQ,
 // the completion channel, the regions, the PD, the id and its channel, and
-// waits for its goroutine. Close is safe to call twice.
+// waits for its goroutine. Close is safe to call twice, and concurrently:
+// each call returns once the conn is destroyed. A CQ that fails to poll
+// (ibv_poll_cq errors) closes the conn the same way, in the background:
+// nothing is reported while the QP lives, then everything outstanding
+// completes flushed and Poll ends with an ErrClosed that says why.
+//
+// # Connection state
+//
+// A connection has one state (state.go), which only moves forward, each
+// move made once by one transition function under one lock: connecting
+// (Prepare: receives, no sends), established (ESTABLISHED came; the CM
+// goroutine runs), failing (a request was refused at post time: nothing
+// more is posted, the QP works on until that request's turn), draining
+// (broken: the QP is in the error state and flushes), closed (Close began,
+// or the device went, or the CQ failed: the one that moved it there runs
+// the close) and destroyed (the verbs resources are gone). Leaving
+// connecting, established or failing stops the QP once (rdma_disconnect,
+// or a move to the error state for a conn never established). A bind or
+// invalidation of a memory window is ended exactly once, by whichever of
+// its completion, the refusal of its post, the device's removal or the
+// teardown comes first; the others leave it alone.
 //
 // DeviceInfo, on a Conn or a Listener (type-assert to
 // interface{ DeviceInfo() string }), names the device, port and source GID
 // in use and the local address, "rxe0 port 1 gid ::ffff:192.0.2.1
 // 192.0.2.1:7480", for logs.
 //
+// # Failpoints
+//
+// Built with the tags rdma and failpoints, the provider injects faults
+// into the device interfaces when FailpointsEnv (RBLK_RDMA_FAILPOINTS)
+// names some: QP and CQ creation, memory-window allocation and bind,
+// post send and receive (a random prefix posted), a send completion
+// turned into RETRY_EXC_ERR, connect and accept errors, REJECTED instead
+// of ESTABLISHED on an accepting side and a real rdma_disconnect in the
+// middle of IO, each with a probability N/M (syntax on FailpointsEnv),
+// from a seeded PRNG. Each injection is logged at warn level and counted
+// (FailpointCounts); every fault is one the device can produce, delivered
+// as the device delivers it. Without the tag the variable is ignored,
+// with a warning. The same injection code runs in the default tests over
+// the fake device.
+//
 // # Tests
 //
-// The tests run transporttest.RunProvider over real connections when a
-// device exists (listening on RBLK_RDMA_ADDR, or the first IPv4 address of
-// the first device's network interface), and skip otherwise. On machines
-// without RDMA hardware, run them in the Soft-RoCE VM:
+// The provider is written against the small device interfaces of the
+// internal package verbs, which the cgo layer implements over rdma-core;
+// its tests implement them with a device in Go (fake_test.go: an RDMA CM
+// and RC queue pairs that execute SEND, RECV, RDMA WRITE and READ and
+// memory-window binds on registered memory, counting every object made
+// and destroyed). So the default go test, without cgo or a device, runs
+// transporttest.RunProvider and the provider's own tests of its rings,
+// selective signaling, windows and error paths over that device.
+//
+// With -tags rdma the tests also run transporttest.RunProvider over real
+// connections when a device exists (listening on RBLK_RDMA_ADDR, or the
+// first IPv4 address of the first device's network interface), and skip
+// those otherwise. On machines without RDMA hardware, run them in the
+// Soft-RoCE VM:
 //
 //	go test -c -tags rdma -o DIR/rdma.test ./transport/rdma/
 //	go test -c -race -tags rdma -o DIR/rdma-race.test ./transport/rdma/

@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -21,10 +21,6 @@ import (
 	"github.com/rblk/rblk/transport/rdma/internal/verbs"
 )
 
-// Supported reports whether this build has the verbs provider (the build
-// tag rdma, on linux with cgo).
-const Supported = true
-
 // listenBacklog is the backlog of rdma_listen.
 const listenBacklog = 128
 
@@ -39,8 +35,21 @@ const minRNRTimer = 12
 const rejectConsumerDefined = 28
 
 type provider struct {
-	opts Options
-	log  *zap.Logger
+	// stack is the RDMA CM and the verbs: librdmacm and libibverbs, or a
+	// test's device.
+	stack verbs.Stack
+	opts  Options
+	log   *zap.Logger
+	// chunk is the longest chain posted with one call: postChunk (tests
+	// take less).
+	chunk int
+	// hooks, set by tests only, run at chosen points of the conns'
+	// code; nil in a program.
+	hooks *testHooks
+	// flushTimeout is flushTimeout (tests take less).
+	flushTimeout time.Duration
+	// fp are the failpoints injecting faults (nil: none).
+	fp *failpoints
 
 	// vectors holds, per device name, the completion vector the next
 	// connection's CQ takes (round robin over num_comp_vectors).
@@ -66,18 +75,30 @@ func (p *provider) nextCompVector(dev string, n int) int {
 	return v
 }
 
-func newProvider(devs []string, opts Options) (transport.Provider, error) {
+// newProviderOn returns the provider over stack.
+func newProviderOn(stack verbs.Stack, devs []string, opts Options) (*provider, error) {
 	// Opening an event channel opens /dev/infiniband/rdma_cm: fail now, with
 	// the reason, rather than at the first Listen or Dial.
-	ch, err := verbs.NewEventChannel()
+	ch, err := stack.NewEventChannel()
 	if err != nil {
 		return nil, fmt.Errorf("RDMA devices %v found, but the RDMA CM is unusable (modprobe rdma_ucm; check /dev/infiniband/rdma_cm): %w", devs, err)
 	}
 	ch.Destroy()
-	return &provider{opts: opts, log: opts.Logger}, nil
+	return &provider{stack: stack, opts: opts, log: opts.Logger, chunk: postChunk, flushTimeout: flushTimeout}, nil
 }
 
 func (p *provider) Name() string { return "rdma" }
+
+// FailpointCounts reports how many faults each failpoint of FailpointsEnv
+// injected (a program built with the tag failpoints), by name; nil without
+// failpoints. Type-assert the provider to
+// interface{ FailpointCounts() map[string]uint64 }.
+func (p *provider) FailpointCounts() map[string]uint64 {
+	if p.fp == nil {
+		return nil
+	}
+	return p.fp.counts()
+}
 
 // resolve parses host:port; an empty host is the IPv4 wildcard when
 // listening.
@@ -148,7 +169,7 @@ func decodePrivateData(b []byte, flow uint8, capacity int) ([]byte, error) {
 }
 
 // idInfo describes the device, port and GID an id uses, and its address.
-func idInfo(id *verbs.CMID) string {
+func idInfo(id verbs.CMID) string {
 	gid := id.SGID()
 	return fmt.Sprintf("%s port %d gid %s %s", id.DeviceName(), id.Port(), netip.AddrFrom16(gid), id.LocalAddr())
 }
@@ -167,7 +188,7 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 	if err != nil {
 		return nil, err
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := p.stack.NewEventChannel()
 	if err != nil {
 		return nil, err
 	}
@@ -176,7 +197,7 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 		ch.Destroy()
 		return nil, err
 	}
-	id, err := verbs.NewID(ch)
+	id, err := p.stack.NewID(ch)
 	if err == nil {
 		if err = id.Bind(ap); err != nil {
 			if errors.Is(err, syscall.EADDRNOTAVAIL) || errors.Is(err, syscall.ENODEV) {
@@ -207,9 +228,9 @@ func (p *provider) listen(ctx context.Context, addr string) (*listener, error) {
 
 type listener struct {
 	p      *provider
-	ch     *verbs.EventChannel
+	ch     verbs.EventChannel
 	w      *waiter
-	id     *verbs.CMID
+	id     verbs.CMID
 	addr   string
 	info   string
 	sem    chan struct{} // held by Accept, and by Close for good
@@ -300,7 +321,7 @@ func (l *listener) request(ev verbs.Event) (*connReq, error) {
 	if err != nil {
 		return fail(err)
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := l.p.stack.NewEventChannel()
 	if err != nil {
 		return fail(err)
 	}
@@ -345,8 +366,8 @@ func (l *listener) Close() error {
 // connReq is a connect request with its own event channel.
 type connReq struct {
 	p      *provider
-	id     *verbs.CMID
-	ch     *verbs.EventChannel
+	id     verbs.CMID
+	ch     verbs.EventChannel
 	w      *waiter
 	pd     []byte
 	param  verbs.ConnParam
@@ -415,13 +436,20 @@ func (r *connReq) Reject(privateData []byte) error {
 		return fmt.Errorf("reject %s: private data of %d bytes exceeds %d", r.remote, len(privateData), MaxRejectPrivateData)
 	}
 	r.state = "rejected"
-	if r.prepared != nil && r.prepared.closing.Load() {
-		// Its owner closed the prepared conn, which destroyed the id (and
-		// so refused the peer).
-		return nil
-	}
 	enc, _ := encodePrivateData(privateData, MaxRejectPrivateData+1)
-	err := r.id.Reject(enc)
+	var err error
+	if c := r.prepared; c != nil {
+		// The prepared conn owns the id: its teardown, if its owner
+		// closed it, destroyed the id (and so refused the peer); cmMu
+		// keeps the teardown off the id meanwhile.
+		c.cmMu.Lock()
+		if c.state() < stateClosed {
+			err = r.id.Reject(enc)
+		}
+		c.cmMu.Unlock()
+	} else {
+		err = r.id.Reject(enc)
+	}
 	r.closeRequest()
 	if err != nil {
 		return fmt.Errorf("reject %s: %w", r.remote, err)
@@ -453,6 +481,9 @@ func (r *connReq) Accept(ctx context.Context, privateData []byte) (transport.Con
 	return c, nil
 }
 
+// accept accepts the request with a conn (the prepared one, or a new one)
+// and waits for the peer's ESTABLISHED. On failure the conn is closed,
+// which destroys the id (and so refuses the peer).
 func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error) {
 	c := r.prepared
 	if c == nil {
@@ -462,8 +493,18 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 			r.release()
 			return nil, err
 		}
-	} else if c.closing.Load() {
-		return nil, fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
+	}
+	// Hold the CM channel (and the id) until start hands it to the CM
+	// goroutine: the owner of a prepared conn may close it meanwhile, and
+	// its teardown waits for cmMu before it destroys them.
+	c.cmMu.Lock()
+	fail := func(err error) (*conn, error) {
+		c.cmMu.Unlock()
+		c.Close()
+		return nil, err
+	}
+	if st := c.state(); st != stateConnecting {
+		return fail(fmt.Errorf("the prepared connection is %v: %w", st, transport.ErrClosed))
 	}
 	// What the peer's request says it issues and serves, seen from here.
 	resp := min(c.respRes, max(r.param.ResponderResources, 1))
@@ -480,8 +521,7 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 		RNRRetryCount:      rnrRetryInfinite,
 	})
 	if err != nil {
-		c.Close()
-		return nil, err
+		return fail(err)
 	}
 	// The QP is ready to receive: ask the peer to retry a SEND that comes
 	// before its RECV soon rather than after 655 ms.
@@ -491,20 +531,24 @@ func (r *connReq) accept(ctx context.Context, privateData []byte) (*conn, error)
 	for {
 		ev, err := waitEvent(ctx, r.ch, r.w)
 		if err != nil {
-			c.Close()
-			return nil, err
+			if errors.Is(err, errWaiterClosed) {
+				err = fmt.Errorf("the prepared connection was closed: %w", transport.ErrClosed)
+			}
+			return fail(err)
 		}
 		switch ev.Type {
 		case verbs.EventEstablished:
-			c.start()
+			c.setNames()
+			if err := c.start(); err != nil {
+				return fail(err)
+			}
 			return c, nil
 		case verbs.EventRejected, verbs.EventConnectError, verbs.EventUnreachable, verbs.EventDisconnected, verbs.EventDeviceRemoval:
-			c.Close()
 			err := fmt.Errorf("waiting for the peer to confirm: %v (status %d)", ev.Type, ev.Status)
 			if ev.Type == verbs.EventDeviceRemoval {
 				err = fmt.Errorf("%w: %w", err, transport.ErrDeviceRemoved)
 			}
-			return nil, err
+			return fail(err)
 		}
 	}
 }
@@ -519,7 +563,7 @@ func (p *provider) Dial(ctx context.Context, addr string, privateData []byte) (t
 }
 
 // cmWait waits for an event of a dialing id, any but the ones to ignore.
-func cmWait(ctx context.Context, ch *verbs.EventChannel, w *waiter) (verbs.Event, error) {
+func cmWait(ctx context.Context, ch verbs.EventChannel, w *waiter) (verbs.Event, error) {
 	for {
 		ev, err := waitEvent(ctx, ch, w)
 		if err != nil || (ev.Type != verbs.EventAddrChange && ev.Type != verbs.EventTimewaitExit) {
@@ -546,7 +590,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	ch, err := verbs.NewEventChannel()
+	ch, err := p.stack.NewEventChannel()
 	if err != nil {
 		return nil, err
 	}
@@ -555,7 +599,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 		ch.Destroy()
 		return nil, err
 	}
-	id, err := verbs.NewID(ch)
+	id, err := p.stack.NewID(ch)
 	if err != nil {
 		w.close()
 		ch.Destroy()
@@ -568,7 +612,7 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 			return
 		}
 		if c != nil {
-			c.teardown() // destroys id, ch and w too
+			c.Close() // destroys id, ch and w too
 			return
 		}
 		w.close()
@@ -643,7 +687,13 @@ func (p *provider) dial(ctx context.Context, addr string, privateData []byte) (*
 	if err := c.qp.SetMinRNRTimer(minRNRTimer); err != nil {
 		c.log.Debug("rdma: min RNR timer not set", zap.Error(err))
 	}
-	c.start()
+	c.setNames()
+	// Nobody else has c yet: start cannot fail, and hands cmMu over.
+	c.cmMu.Lock()
+	if err := c.start(); err != nil {
+		c.cmMu.Unlock()
+		return nil, err
+	}
 	ok = true
 	return c, nil
 }

@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 

@@ -89,8 +89,23 @@ func TestVendorErrString(t *testing.T) {
 	}
 }
 
+// logFailpoints logs, when t ends, what the failpoints of a build with
+// them injected into p (RBLK_RDMA_FAILPOINTS).
+func logFailpoints(t *testing.T, p transport.Provider) {
+	fc, ok := p.(interface{ FailpointCounts() map[string]uint64 })
+	if !ok {
+		return
+	}
+	t.Cleanup(func() {
+		if c := fc.FailpointCounts(); c != nil {
+			t.Logf("failpoints injected: %v", c)
+		}
+	})
+}
+
 func TestConformance(t *testing.T) {
 	p, ip := testProvider(t, Options{})
+	logFailpoints(t, p)
 	transporttest.RunProvider(t, p, func(*testing.T) string { return net.JoinHostPort(ip, "0") })
 }
 
@@ -99,6 +114,7 @@ func TestConformanceBusyPoll(t *testing.T) {
 		t.Skip("short")
 	}
 	p, ip := testProvider(t, Options{BusyPoll: 20 * time.Microsecond})
+	logFailpoints(t, p)
 	transporttest.Run(t, transporttest.PairFunc(p, func(*testing.T) string { return net.JoinHostPort(ip, "0") }))
 }
 

@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -56,11 +56,11 @@ func ringEmpty(t *testing.T, c *conn) {
 // IBV_SEND_SIGNALED, the others with it; a success covers the unsignaled
 // requests before it, which Poll does not return.
 func TestUnsignaledFlags(t *testing.T) {
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, 16, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: 16, RecvQueueDepth: 16}, 16)
 	if err := c.PostSend(unsig(10), unsig(11), signaled(12), unsig(13), signaled(14)); err != nil {
 		t.Fatal(err)
 	}
-	flags := c.qp.FakeSendFlags()
+	_, _, flags := fakeQPOf(c).posted()
 	want := []bool{false, false, true, false, true}
 	if len(flags) != len(want) {
 		t.Fatalf("the QP took %d requests, want %d", len(flags), len(want))
@@ -86,7 +86,7 @@ func TestUnsignaledFlags(t *testing.T) {
 // returned either (else nothing would ever free the queue).
 func TestUnsignaledCountInDepth(t *testing.T) {
 	const depth = 4
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, depth, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: depth, RecvQueueDepth: 16}, 16)
 	if err := c.PostSend(unsig(0), unsig(1), unsig(2)); err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func TestUnsignaledCountInDepth(t *testing.T) {
 	if err := c.PostSend(unsig(4)); !errors.Is(err, transport.ErrQueueFull) {
 		t.Fatalf("post beyond the depth with only unsignaled requests outstanding: %v, want ErrQueueFull", err)
 	}
-	flags := c.qp.FakeSendFlags()
+	_, _, flags := fakeQPOf(c).posted()
 	for i, f := range flags {
 		if sig := f&verbs.FlagSignaled != 0; sig != (i == depth-1) {
 			t.Errorf("request %d: signaled %v", i, sig)
@@ -122,7 +122,7 @@ func TestUnsignaledCountInDepth(t *testing.T) {
 // returned; it and every later one are, the flushed unsignaled ones
 // included, and then the conn is finished.
 func TestUnsignaledFailure(t *testing.T) {
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, 16, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: 16, RecvQueueDepth: 16}, 16)
 	c.unsigFlushes = true
 	if err := c.PostSend(unsig(10), unsig(11), unsig(12), unsig(13), signaled(14), unsig(15)); err != nil {
 		t.Fatal(err)
@@ -148,7 +148,7 @@ func TestUnsignaledFailure(t *testing.T) {
 // unsignaled requests, the ones a flushed completion covers may have been
 // flushed: they are reported so.
 func TestUnsignaledFlushNotReported(t *testing.T) {
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, 16, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: 16, RecvQueueDepth: 16}, 16)
 	c.unsigFlushes = false
 	if err := c.PostSend(unsig(10), signaled(11), unsig(12), unsig(13), signaled(14)); err != nil {
 		t.Fatal(err)
@@ -170,7 +170,7 @@ func TestUnsignaledFlushNotReported(t *testing.T) {
 // the conn is broken) must cover them, else the refused one is never
 // reached.
 func TestDrainAfterRefusal(t *testing.T) {
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, 16, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: 16, RecvQueueDepth: 16}, 16)
 	if err := c.PostSend(unsig(10), unsig(11)); err != nil {
 		t.Fatal(err)
 	}
@@ -178,17 +178,17 @@ func TestDrainAfterRefusal(t *testing.T) {
 	if err := c.PostSend(bad, unsig(13)); err != nil {
 		t.Fatal(err)
 	}
-	if !c.broken.Load() {
+	if c.state() != stateFailing {
 		t.Fatal("not broken after a refused request")
 	}
 	wantCompletions(t, emitAll(c))
 	c.postDrain()
-	sends, _, _ := c.qp.FakePosted()
+	sends, _, _ := fakeQPOf(c).posted()
 	if c.drain != drainPosted || len(sends) != 3 || sends[2] != drainWRID {
 		t.Fatalf("drain %v, the QP took %v: want the drain request after the two", c.drain, sends)
 	}
 	c.postDrain() // once only
-	if sends, _, _ := c.qp.FakePosted(); len(sends) != 3 {
+	if sends, _, _ := fakeQPOf(c).posted(); len(sends) != 3 {
 		t.Fatalf("the QP took %v", sends)
 	}
 	// The QP is still working: the drain request executes.
@@ -205,14 +205,14 @@ func TestDrainAfterRefusal(t *testing.T) {
 // TestDrainNotNeeded: when the last request posted is signaled, its
 // completion covers the rest: no drain request.
 func TestDrainNotNeeded(t *testing.T) {
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 16, FailSendAt: -1, FailRecvAt: -1, Record: 64}, 16, 16)
+	c, _ := heldConn(t, Options{SendQueueDepth: 16, RecvQueueDepth: 16}, 16)
 	c.unsigFlushes = true
 	if err := c.PostSend(unsig(10), signaled(11)); err != nil {
 		t.Fatal(err)
 	}
 	c.breakConn(errLocalClose)
 	c.postDrain()
-	if sends, _, _ := c.qp.FakePosted(); len(sends) != 2 || c.drain != drainDone {
+	if sends, _, _ := fakeQPOf(c).posted(); len(sends) != 2 || c.drain != drainDone {
 		t.Fatalf("the QP took %v, drain %v: want no drain request", sends, c.drain)
 	}
 	c.complete([]verbs.WC{wc(1, verbs.WCWRFlushErr)})
@@ -227,7 +227,7 @@ func TestDrainNotNeeded(t *testing.T) {
 // allocates nothing.
 func TestPostOneCallPerChain(t *testing.T) {
 	const chunk = 16
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: chunk, FailSendAt: -1, FailRecvAt: -1, Record: 256}, 256, 256)
+	c, _ := heldConn(t, Options{SendQueueDepth: 256, RecvQueueDepth: 256}, chunk)
 	wrs := make([]transport.WorkRequest, 10)
 	for i := range wrs {
 		wrs[i] = unsig(uint64(i))
@@ -243,7 +243,7 @@ func TestPostOneCallPerChain(t *testing.T) {
 	if err := c.PostRecv(rrs...); err != nil {
 		t.Fatal(err)
 	}
-	if s, r := c.qp.FakePostCalls(); s != 1 || r != 1 {
+	if s, r := fakeQPOf(c).postCalls(); s != 1 || r != 1 {
 		t.Errorf("%d ibv_post_send and %d ibv_post_recv calls for 10 requests each, want 1 each", s, r)
 	}
 	long := make([]transport.WorkRequest, 2*chunk+1)
@@ -253,12 +253,14 @@ func TestPostOneCallPerChain(t *testing.T) {
 	if err := c.PostSend(long...); err != nil {
 		t.Fatal(err)
 	}
-	if s, _ := c.qp.FakePostCalls(); s != 1+3 {
+	if s, _ := fakeQPOf(c).postCalls(); s != 1+3 {
 		t.Errorf("%d ibv_post_send calls for a chain of %d, want 3", s-1, len(long))
 	}
 
-	c2 := fakeConn(t, verbs.FakeQPConfig{Chunk: chunk, FailSendAt: -1, FailRecvAt: -1}, 64, 64)
+	c2, _ := heldConn(t, Options{SendQueueDepth: 64, RecvQueueDepth: 64}, chunk)
+	fakeQPOf(c2).norecord = true // (the fake would allocate)
 	out := make([]transport.Completion, 16)
+	recvs := make([]verbs.WC, len(rrs))
 	var last uint64
 	allocs := testing.AllocsPerRun(200, func() {
 		if err := c2.PostSend(wrs...); err != nil {
@@ -272,7 +274,10 @@ func TestPostOneCallPerChain(t *testing.T) {
 		if err := c2.PostRecv(rrs...); err != nil {
 			t.Fatal(err)
 		}
-		takeDone(&c2.rq, len(rrs))
+		for seq := c2.rq.tail - uint64(len(rrs)); seq < c2.rq.tail; seq++ {
+			recvs[seq-(c2.rq.tail-uint64(len(rrs)))] = verbs.WC{ID: seq | recvBit, Opcode: verbs.WCRecv}
+		}
+		c2.complete(recvs[:len(rrs)])
 		c2.emit(out)
 	})
 	if allocs != 0 {

@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -19,7 +19,7 @@ import (
 )
 
 // Selective signaling, completion vectors and huge pages on a device
-// (Soft-RoCE in the VM): these tests skip without one.
+// (Soft-RoCE in the VM), or over the fake device where there is none.
 
 // devEnv is a connected pair with memory: la (local write) on a, rb
 // (remote read and write) on b, each size bytes.
@@ -32,7 +32,7 @@ type devEnv struct {
 
 func newDevEnv(t testing.TB, opts Options, size int) *devEnv {
 	t.Helper()
-	p, ip := testProvider(t, opts)
+	p, ip := deviceOrFake(t, opts)
 	m, err := transport.AllocMemory(2*size, false)
 	if err != nil {
 		t.Fatal(err)
@@ -74,23 +74,6 @@ func pollFor(c transport.Conn, d time.Duration) ([]transport.Completion, error) 
 			return got, err
 		}
 	}
-}
-
-// pollN polls c until n completions came (or 10 s passed).
-func pollN(t *testing.T, c transport.Conn, n int) []transport.Completion {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	var got []transport.Completion
-	out := make([]transport.Completion, 16)
-	for len(got) < n {
-		k, err := c.Poll(ctx, out[:min(len(out), n-len(got))])
-		got = append(got, out[:k]...)
-		if err != nil {
-			t.Fatalf("poll: %v after %+v", err, got)
-		}
-	}
-	return got
 }
 
 func (e *devEnv) stats() sigStats {
@@ -381,7 +364,7 @@ func TestVerbsUnsignaledRefused(t *testing.T) {
 // TestVerbsCompVectors: the CQs of successive connections take the
 // device's completion vectors in turn.
 func TestVerbsCompVectors(t *testing.T) {
-	p, ip := testProvider(t, Options{})
+	p, ip := deviceOrFake(t, Options{})
 	var vecs []int
 	nv := 0
 	for range 3 {
@@ -440,7 +423,7 @@ func anonHugeKB(addr uintptr) int {
 // Soft-RoCE transparent huge pages (and hugetlb pages if the pool has
 // some: vm.nr_hugepages).
 func TestVerbsHugePages(t *testing.T) {
-	p, ip := testProvider(t, Options{})
+	p, ip := deviceOrFake(t, Options{})
 	a, b := transporttest.Connect(t, p, net.JoinHostPort(ip, "0"))
 	const size = 8 << 20
 	m, err := transport.AllocMemory(size, true)

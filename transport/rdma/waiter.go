@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -103,7 +103,7 @@ func (w *waiter) kick() {
 func (w *waiter) close() { w.f.Close() }
 
 // waitEvent waits for the next event of an RDMA CM channel.
-func waitEvent(ctx context.Context, ch *verbs.EventChannel, w *waiter) (verbs.Event, error) {
+func waitEvent(ctx context.Context, ch verbs.EventChannel, w *waiter) (verbs.Event, error) {
 	for {
 		var ev verbs.Event
 		var gerr error

@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
@@ -70,23 +70,30 @@ const (
 	opInv
 )
 
-// mwOp is a bind or invalidate request in flight, in its slot.
+// mwOp is a bind or invalidate request, in its slot from startOpLocked
+// until finishOpLocked. Its channel is closed and its slot given back by
+// finishOpLocked only, once, whoever ends it first: its completion
+// (completeMW), the refusal of its post (postMW), the device's removal
+// (flushWindows) or the teardown (destroyWindows).
 type mwOp struct {
 	kind   mwOpKind
 	id     uint64
 	w      *window
-	done   chan struct{}    // closed once it completed (or the conn was torn down)
-	status transport.Status // its completion's, once done
+	done   chan struct{}    // closed once it is finished
+	status transport.Status // its completion's (flushed if it had none), once done
 	// abandoned: the BindWindow that posted it gave up (ctx); its
 	// completion invalidates the window at once.
 	abandoned bool
+	// posted: the QP has it (its completion will come, or a flush);
+	// finished: finishOpLocked ran. (c.mwMu)
+	posted, finished bool
 }
 
 // window is a type-2 memory window of a conn.
 type window struct {
 	c      *conn
 	r      *region
-	mw     *verbs.MW // nil once deallocated or back in the pool
+	mw     verbs.MW // nil once deallocated or back in the pool
 	addr   uint64
 	length int
 	rkey   uint32
@@ -144,6 +151,11 @@ func (c *conn) takeSlot(ctx context.Context) error {
 
 func (c *conn) putSlot() { <-c.mwSem }
 
+// newOp is a request of kind on w, to be started.
+func newOp(kind mwOpKind, w *window) *mwOp {
+	return &mwOp{kind: kind, w: w, done: make(chan struct{})}
+}
+
 // startOpLocked puts op in a free slot (c.mwMu held, a slot taken) and
 // gives it its wr_id.
 func (c *conn) startOpLocked(op *mwOp) {
@@ -151,13 +163,40 @@ func (c *conn) startOpLocked(op *mwOp) {
 		if c.mwOps[i] == nil {
 			c.mwGen++
 			op.id = mwBit | (c.mwGen&0xffffffff)<<8 | uint64(i)
-			op.done = make(chan struct{})
 			c.mwOps[i] = op
 			op.w.op = op
 			return
 		}
 	}
-	panic("rdma: no free window slot though the semaphore gave one")
+	// The semaphore has as many tokens as there are slots, and a token is
+	// given back only with its slot: unreachable. Without a slot the
+	// request is refused at post (postMW), which is better than a panic.
+	c.log.Error("rdma: no free window slot though the semaphore gave one")
+}
+
+// finishOpLocked ends op (c.mwMu held): out of its slot and off its window,
+// its status recorded, its waiter woken, and its slot token given back
+// (unless keepSlot: the caller puts the next request of the window in
+// it). It reports whether it did: false if op was finished already, in
+// which case the caller must leave op and its window alone (whoever
+// finished it decided their fate).
+func (c *conn) finishOpLocked(op *mwOp, st transport.Status, keepSlot bool) bool {
+	if op.finished {
+		return false
+	}
+	op.finished = true
+	if slot := op.id & 0xff; slot < windowSlots && c.mwOps[slot] == op {
+		c.mwOps[slot] = nil
+	}
+	if op.w.op == op {
+		op.w.op = nil
+	}
+	op.status = st
+	close(op.done)
+	if !keepSlot {
+		c.putSlot()
+	}
+	return true
 }
 
 // BindWindow binds a type-2 memory window over a span of r to the QP and
@@ -176,8 +215,8 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	if !c.mwSupported.Load() {
 		return nil, c.errNoWindows(nil)
 	}
-	if c.broken.Load() {
-		return nil, fmt.Errorf("bind window: %w", transport.ErrClosed)
+	if st := c.state(); st >= stateFailing {
+		return nil, fmt.Errorf("bind window: the connection is %v: %w", st, transport.ErrClosed)
 	}
 	if err := c.takeSlot(ctx); err != nil {
 		return nil, fmt.Errorf("bind window: %w", err)
@@ -194,8 +233,9 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	if access&transport.AccessRemoteWrite != 0 {
 		flags |= verbs.AccessRemoteWrite
 	}
+	c.hooks.afterStartOp(op)
 	if err := c.postMW(op, func() error {
-		return postBindMW(c.qp, op.id, w.mw, r.mr, w.addr, uint64(length), flags, w.rkey)
+		return c.qp.PostBindMW(op.id, w.mw, r.mr, w.addr, uint64(length), flags, w.rkey)
 	}); err != nil {
 		return nil, fmt.Errorf("bind window: %w", err)
 	}
@@ -203,7 +243,7 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	case <-op.done:
 	case <-ctx.Done():
 		c.mwMu.Lock()
-		finished := w.op != op
+		finished := op.finished
 		if !finished {
 			op.abandoned = true
 		}
@@ -225,12 +265,6 @@ func (c *conn) BindWindow(ctx context.Context, reg transport.Region, off, length
 	return w, nil
 }
 
-// postBindMW and postLocalInv post on the QP; tests replace them.
-var (
-	postBindMW   = (*verbs.QP).PostBindMW
-	postLocalInv = (*verbs.QP).PostLocalInv
-)
-
 // newWindow takes a memory window from the pool, or allocates one, for a
 // window over r (a slot taken), and puts its bind in a slot.
 func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*window, *mwOp, error) {
@@ -242,10 +276,10 @@ func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*
 	}
 	c.mwMu.Lock()
 	defer c.mwMu.Unlock()
-	if c.mwClosed || c.broken.Load() {
-		return nil, nil, fmt.Errorf("bind window: %w", transport.ErrClosed)
+	if st := c.state(); st >= stateFailing {
+		return nil, nil, fmt.Errorf("bind window: the connection is %v: %w", st, transport.ErrClosed)
 	}
-	var mw *verbs.MW
+	var mw verbs.MW
 	if n := len(c.mwFree); n > 0 {
 		mw = c.mwFree[n-1]
 		c.mwFree[n-1] = nil
@@ -267,69 +301,68 @@ func (c *conn) newWindow(r *region, off, length int, access transport.Access) (*
 		mw:     mw,
 		addr:   r.addr + uint64(off),
 		length: length,
-		rkey:   verbs.IncRKey(mw.RKey),
+		rkey:   verbs.IncRKey(mw.RKey()),
 		access: access,
 		state:  winBinding,
 	}
-	op := &mwOp{kind: opBind, w: w}
-	c.startOpLocked(op)
+	op := newOp(opBind, w)
 	c.windows[w] = struct{}{}
 	if r.windows == nil {
 		r.windows = make(map[*window]struct{})
 	}
 	r.windows[w] = struct{}{}
+	c.startOpLocked(op)
 	return w, op, nil
 }
 
-// postMW posts op's request with post, under the send queue's lock so
-// that Close does not destroy the QP meanwhile. If it is not posted, op
-// is undone (its slot freed, its window dead) and the error says why.
+// postMW posts op's request with post, under the send queue's lock, so
+// that the teardown does not destroy the QP meanwhile, and the windows'
+// (the completion of a request posted is not taken before it is marked
+// posted). If it is not posted, op is ended as flushed (its slot given
+// back, its window dead, its MW back in the pool or deallocated) unless
+// something ended it before, and the error says why.
 func (c *conn) postMW(op *mwOp, post func() error) error {
 	c.sq.mu.Lock()
+	c.mwMu.Lock()
 	var err error
-	if c.sq.closed || c.broken.Load() {
-		err = transport.ErrClosed
-	} else {
-		err = post()
-	}
-	if err == nil {
-		c.mwMu.Lock()
-		c.mwOut++
-		c.mwMu.Unlock()
+	switch st := c.state(); {
+	case op.finished:
+		// The device's removal ended it.
+		err = fmt.Errorf("the connection is %v: %w", st, transport.ErrClosed)
+	case st >= stateFailing:
+		err = fmt.Errorf("the connection is %v: %w", st, transport.ErrClosed)
+	case c.mwOps[op.id&0xff] != op:
+		err = errors.New("no window slot")
+	default:
+		if err = post(); err == nil {
+			op.posted = true
+		}
 	}
 	c.sq.mu.Unlock()
 	if err == nil {
+		c.mwMu.Unlock()
 		return nil
 	}
-	c.mwMu.Lock()
-	c.endOpLocked(op)
-	w := op.w
-	w.state = winDead
-	// Refused at post, a bind left the window unbound: its MW is free.
-	// A refused invalidation left it bound: deallocating its MW revokes
-	// it as surely. Closed: what the QP thinks no longer matters.
-	c.freeMWLocked(w, op.kind == opBind && !errors.Is(err, transport.ErrClosed))
-	op.status = transport.StatusFlushed
-	close(op.done)
+	if c.finishOpLocked(op, transport.StatusFlushed, false) {
+		w := op.w
+		w.state = winDead
+		// Refused at post, a bind left the window unbound: its MW is free.
+		// A refused invalidation left it bound: deallocating its MW revokes
+		// it as surely. Closed: what the QP thinks no longer matters.
+		c.freeMWLocked(w, op.kind == opBind && !errors.Is(err, transport.ErrClosed))
+	}
 	c.mwMu.Unlock()
-	c.putSlot()
 	if errors.Is(err, syscall.ENOMEM) {
 		err = fmt.Errorf("%w (%v)", transport.ErrQueueFull, err)
 	}
 	return err
 }
 
-// endOpLocked takes op out of its slot (c.mwMu held).
-func (c *conn) endOpLocked(op *mwOp) {
-	c.mwOps[op.id&0xff] = nil
-	if op.w.op == op {
-		op.w.op = nil
-	}
-}
-
 // freeMWLocked retires the window's MW (c.mwMu held): back to the pool if
-// reuse (it is unbound), else deallocated (its state is unknown, or the
-// conn is going). The window forgets it and its region forgets the window.
+// reuse (it is unbound) and the conn goes on, else deallocated (its state
+// is unknown, or the conn is going). The window forgets it and its region
+// forgets the window. After the teardown (destroyWindows) a window has no
+// MW left.
 func (c *conn) freeMWLocked(w *window, reuse bool) {
 	delete(c.windows, w)
 	if w.r.windows != nil {
@@ -340,14 +373,11 @@ func (c *conn) freeMWLocked(w *window, reuse bool) {
 	if mw == nil {
 		return
 	}
-	if reuse && !c.mwClosed && !c.broken.Load() {
+	if reuse && c.state() < stateFailing {
 		c.mwFree = append(c.mwFree, mw)
 		return
 	}
-	if c.mwClosed {
-		return // teardown deallocates what it finds; this one is gone with it
-	}
-	if err := deallocMW(mw); err != nil {
+	if err := mw.Dealloc(); err != nil {
 		c.log.Warn("rdma: ibv_dealloc_mw", zap.String("remote", c.remote), zap.Error(err))
 		c.mwLeaked = append(c.mwLeaked, mw)
 		w.leaked = true
@@ -355,9 +385,6 @@ func (c *conn) freeMWLocked(w *window, reuse bool) {
 	}
 	c.mwAllocated--
 }
-
-// deallocMW is ibv_dealloc_mw; tests make it fail.
-var deallocMW = (*verbs.MW).Dealloc
 
 // completeMW takes the completion of a bind or invalidate request (pollSem
 // held, the queues' locks not). It reports a failure that breaks the
@@ -370,9 +397,6 @@ func (c *conn) completeMW(id uint64, st transport.Status, vendor uint32) error {
 		c.log.Error("rdma: completion of an unknown window request", zap.Uint64("wr_id", id))
 		return nil
 	}
-	c.mwOut--
-	c.endOpLocked(op)
-	op.status = st
 	w := op.w
 	var failure error
 	if st != transport.StatusSuccess && st != transport.StatusFlushed {
@@ -382,6 +406,10 @@ func (c *conn) completeMW(id uint64, st transport.Status, vendor uint32) error {
 		}
 		failure = fmt.Errorf("memory window %s request failed: %v (vendor_err %#x)", what, st, vendor)
 	}
+	// An abandoned bind that succeeded is invalidated at once, in its slot,
+	// if the QP still executes requests.
+	chain := st == transport.StatusSuccess && op.kind == opBind && op.abandoned && c.state() < stateFailing
+	c.finishOpLocked(op, st, chain)
 	var next *mwOp
 	switch {
 	case st != transport.StatusSuccess:
@@ -390,28 +418,23 @@ func (c *conn) completeMW(id uint64, st transport.Status, vendor uint32) error {
 		c.freeMWLocked(w, false)
 	case op.kind == opBind && !op.abandoned:
 		w.state = winBound
+	case op.kind == opBind && !chain:
+		// Nobody has the window, and the QP executes nothing more.
+		w.state = winDead
+		c.freeMWLocked(w, false)
 	case op.kind == opBind:
-		// Nobody has the window: invalidate it at once, in the same slot.
-		if c.broken.Load() || c.mwClosed {
-			w.state = winDead
-			c.freeMWLocked(w, false)
-			break
-		}
 		w.state = winInvalidating
-		next = &mwOp{kind: opInv, w: w}
+		next = newOp(opInv, w)
 		c.startOpLocked(next)
 	default: // an invalidation
 		w.state = winDead
 		c.freeMWLocked(w, true)
 	}
-	close(op.done)
 	c.mwMu.Unlock()
 	if next != nil {
-		if err := c.postMW(next, func() error { return postLocalInv(c.qp, next.id, w.rkey) }); err != nil {
+		if err := c.postMW(next, func() error { return c.qp.PostLocalInv(next.id, w.rkey) }); err != nil {
 			c.log.Debug("rdma: invalidating an abandoned window", zap.Error(err))
 		}
-	} else {
-		c.putSlot()
 	}
 	return failure
 }
@@ -430,7 +453,9 @@ func (w *window) Invalidate(ctx context.Context) error {
 			op := w.op
 			c.mwMu.Unlock()
 			if op == nil {
-				continue
+				// (Not reached: a window binding or invalidating has its
+				// request.)
+				return fmt.Errorf("invalidate window: %w: no request in flight on a window %v", transport.ErrDeregisterFailed, w.state)
 			}
 			select {
 			case <-op.done:
@@ -440,7 +465,7 @@ func (w *window) Invalidate(ctx context.Context) error {
 			}
 		}
 		// Bound.
-		if c.broken.Load() || c.mwClosed {
+		if c.state() >= stateFailing {
 			// The QP executes nothing more: the window died with it.
 			w.state = winDead
 			c.freeMWLocked(w, false)
@@ -461,19 +486,23 @@ func (w *window) Invalidate(ctx context.Context) error {
 			continue
 		}
 		w.state = winInvalidating
-		op := &mwOp{kind: opInv, w: w}
+		op := newOp(opInv, w)
 		c.startOpLocked(op)
 		c.mwMu.Unlock()
-		if err := c.postMW(op, func() error { return postLocalInv(c.qp, op.id, w.rkey) }); err != nil {
-			// The window is dead (postMW deallocated its MW) unless the
-			// deallocation failed too.
+		c.hooks.afterStartOp(op)
+		if err := c.postMW(op, func() error { return c.qp.PostLocalInv(op.id, w.rkey) }); err != nil {
+			// The window is dead: postMW (or the teardown, or the
+			// device's removal) ended it and retired its MW, unless the
+			// deallocation failed.
 			c.mwMu.Lock()
 			leaked := w.leaked
 			c.mwMu.Unlock()
 			if leaked {
 				return fmt.Errorf("invalidate window: %w: %w", transport.ErrDeregisterFailed, err)
 			}
-			c.log.Warn("rdma: posting an invalidation failed; the window's memory window was deallocated instead", zap.String("remote", c.remote), zap.Error(err))
+			if !errors.Is(err, transport.ErrClosed) {
+				c.log.Warn("rdma: posting an invalidation failed; the window's memory window was deallocated instead", zap.String("remote", c.remote), zap.Error(err))
+			}
 			return nil
 		}
 	}
@@ -506,27 +535,45 @@ func (c *conn) killWindowsLocked(r *region) error {
 func (c *conn) mwInFlight() int {
 	c.mwMu.Lock()
 	defer c.mwMu.Unlock()
-	return c.mwOut
+	n := 0
+	for _, op := range c.mwOps {
+		if op != nil && op.posted {
+			n++
+		}
+	}
+	return n
 }
 
-// destroyWindows runs in teardown once the QP is destroyed, before the
-// regions go: every request in flight is over (woken as flushed), every
-// memory window deallocated.
+// flushWindows ends every window request as flushed and marks every
+// window dead, for a QP that will complete nothing more (the device is
+// gone, or the QP destroyed). The memory windows stay for the teardown
+// to deallocate.
+func (c *conn) flushWindows() {
+	c.mwMu.Lock()
+	defer c.mwMu.Unlock()
+	for _, op := range c.mwOps {
+		if op != nil {
+			c.finishOpLocked(op, transport.StatusFlushed, false)
+		}
+	}
+	for w := range c.windows {
+		w.state = winDead
+	}
+}
+
+// destroyWindows runs in the teardown before the QP is destroyed (a
+// bound type-2 window holds a reference on its QP), and in newConn's
+// cleanup: every request still in flight is ended (woken as flushed),
+// every memory window deallocated.
 func (c *conn) destroyWindows() {
 	c.mwMu.Lock()
 	defer c.mwMu.Unlock()
-	c.mwClosed = true
-	for i, op := range c.mwOps {
-		if op == nil {
-			continue
+	for _, op := range c.mwOps {
+		if op != nil {
+			c.finishOpLocked(op, transport.StatusFlushed, false)
 		}
-		c.mwOps[i] = nil
-		op.status = transport.StatusFlushed
-		op.w.op = nil
-		close(op.done)
 	}
-	c.mwOut = 0
-	var all []*verbs.MW
+	var all []verbs.MW
 	for w := range c.windows {
 		w.state = winDead
 		if w.mw != nil {
@@ -542,7 +589,7 @@ func (c *conn) destroyWindows() {
 	all = append(all, c.mwLeaked...)
 	c.mwFree, c.mwLeaked = nil, nil
 	for _, mw := range all {
-		if err := deallocMW(mw); err != nil {
+		if err := mw.Dealloc(); err != nil {
 			c.log.Warn("rdma close: ibv_dealloc_mw", zap.Error(err))
 			continue
 		}

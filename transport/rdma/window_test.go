@@ -1,37 +1,37 @@
-//go:build linux && cgo && rdma
+//go:build linux
 
 package rdma
 
 import (
 	"context"
 	"errors"
+	"fmt"
+	"syscall"
 	"testing"
 	"time"
-	"unsafe"
 
 	"github.com/rblk/rblk/transport"
-	"github.com/rblk/rblk/transport/rdma/internal/verbs"
 )
 
-// fakeWindowConn is a fakeConn whose PD has fake memory windows (if mw),
-// with a region registered for windows.
-func fakeWindowConn(t *testing.T, mw bool) (*conn, *region) {
+// fakeWindowConn is a heldConn with a region registered for windows;
+// without mw, ibv_alloc_mw fails with EOPNOTSUPP.
+func fakeWindowConn(t *testing.T, mw bool) (*conn, *region, *fakeFabric) {
 	t.Helper()
-	c := fakeConn(t, verbs.FakeQPConfig{Chunk: 4, FailSendAt: -1, FailRecvAt: -1, Record: 256, MW: mw}, 8, 8)
-	c.pd = c.qp.FakePD()
-	c.initWindows(true)
-	c.mwSpanChecked = true
-	t.Cleanup(c.destroyWindows) // (before the QP's cleanup frees the fake)
-	mem, err := transport.AllocMemory(1<<20, false)
+	c, f := heldConn(t, Options{SendQueueDepth: 8, RecvQueueDepth: 8}, 4)
+	if !mw {
+		f.failOn("alloc_mw", func(int) error { return fmt.Errorf("ibv_alloc_mw: %w", syscall.EOPNOTSUPP) })
+	}
+	reg, err := c.Register(memory(t, 1<<20), transport.AccessLocalWrite|transport.AccessBindWindow)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { mem.Free() })
-	buf := mem.Bytes()
-	r := &region{c: c, buf: buf, addr: uint64(uintptr(unsafe.Pointer(&buf[0]))), mr: &verbs.MR{},
-		access: transport.AccessLocalWrite | transport.AccessBindWindow}
-	c.regions[r] = struct{}{}
-	return c, r
+	return c, reg.(*region), f
+}
+
+// liveMWs is the number of memory windows allocated and not deallocated.
+func liveMWs(f *fakeFabric) int {
+	made, gone := f.counts("mw")
+	return made - gone
 }
 
 // nextMWPost waits for the next window request posted on the fake QP after
@@ -40,7 +40,7 @@ func nextMWPost(t *testing.T, c *conn, seen int) uint64 {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		sends, _, _ := c.qp.FakePosted()
+		sends, _, _ := fakeQPOf(c).posted()
 		if len(sends) > seen {
 			id := sends[seen]
 			if id&mwBit == 0 || id&recvBit != 0 {
@@ -73,7 +73,7 @@ func bindAsync(ctx context.Context, c *conn, r *region, off, n int) chan bindRes
 // completions wake the caller and never reach the rings Poll returns from;
 // the memory window is pooled and its key moves on.
 func TestWindowCompletionsStayInside(t *testing.T) {
-	c, r := fakeWindowConn(t, true)
+	c, r, f := fakeWindowConn(t, true)
 	var rkeys []uint32
 	for i := range 3 {
 		res := bindAsync(context.Background(), c, r, 4096*i, 4096)
@@ -108,16 +108,16 @@ func TestWindowCompletionsStayInside(t *testing.T) {
 	if rkeys[0] == rkeys[1] || rkeys[1] == rkeys[2] || rkeys[0]>>8 != rkeys[2]>>8 {
 		t.Errorf("rkeys %#x: want one memory window (same index), a new key each bind", rkeys)
 	}
-	if live, alloc := c.WindowStats(); live != 0 || alloc != 1 || c.qp.FakeMWs() != 1 || len(c.mwSem) != 0 {
+	if live, alloc := c.WindowStats(); live != 0 || alloc != 1 || liveMWs(f) != 1 || len(c.mwSem) != 0 {
 		t.Errorf("after the cycles: %d live, %d allocated, %d fake MWs, %d slots taken; want 0, 1, 1, 0",
-			live, alloc, c.qp.FakeMWs(), len(c.mwSem))
+			live, alloc, liveMWs(f), len(c.mwSem))
 	}
 	if k := c.emit(make([]transport.Completion, 8)); k != 0 || c.sq.tail != 0 {
 		t.Errorf("the link's rings got %d completions (send tail %d): window requests leaked into them", k, c.sq.tail)
 	}
 	c.destroyWindows()
-	if c.qp.FakeMWs() != 0 {
-		t.Errorf("%d memory windows left after the teardown", c.qp.FakeMWs())
+	if liveMWs(f) != 0 {
+		t.Errorf("%d memory windows left after the teardown", liveMWs(f))
 	}
 }
 
@@ -125,7 +125,7 @@ func TestWindowCompletionsStayInside(t *testing.T) {
 // flight. It returns ctx.Err(); the slot and the memory window stay taken
 // until the bind completes, and then the window is invalidated at once.
 func TestWindowBindAbandoned(t *testing.T) {
-	c, r := fakeWindowConn(t, true)
+	c, r, _ := fakeWindowConn(t, true)
 	ctx, cancel := context.WithCancel(context.Background())
 	res := bindAsync(ctx, c, r, 0, 4096)
 	bindID := nextMWPost(t, c, 0)
@@ -154,7 +154,7 @@ func TestWindowBindAbandoned(t *testing.T) {
 // TestWindowSlots: binds in flight take the reserved slots, never the
 // link's send queue; one more waits for a slot (here until its ctx ends).
 func TestWindowSlots(t *testing.T) {
-	c, r := fakeWindowConn(t, true)
+	c, r, _ := fakeWindowConn(t, true)
 	var ids []uint64
 	var results []chan bindResult
 	for i := range windowSlots {
@@ -166,7 +166,7 @@ func TestWindowSlots(t *testing.T) {
 	if _, err := c.BindWindow(ctx, r, 0, 4096, transport.AccessRemoteRead); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("bind with every slot taken: %v, want deadline exceeded", err)
 	}
-	if sends, _, _ := c.qp.FakePosted(); len(sends) != windowSlots {
+	if sends, _, _ := fakeQPOf(c).posted(); len(sends) != windowSlots {
 		t.Errorf("%d requests posted, want %d", len(sends), windowSlots)
 	}
 	// The link still posts its full depth.
@@ -189,7 +189,7 @@ func TestWindowSlots(t *testing.T) {
 // flight at the teardown return ErrClosed; Invalidate on a broken conn is
 // nil and frees the memory window; the teardown deallocates everything.
 func TestWindowFailuresAndClose(t *testing.T) {
-	c, r := fakeWindowConn(t, true)
+	c, r, f := fakeWindowConn(t, true)
 	res := bindAsync(context.Background(), c, r, 0, 4096)
 	id := nextMWPost(t, c, 0)
 	if err := c.completeMW(id, transport.StatusSuccess, 0); err != nil {
@@ -208,30 +208,30 @@ func TestWindowFailuresAndClose(t *testing.T) {
 	if err := w.Invalidate(context.Background()); err != nil {
 		t.Errorf("invalidate on a broken conn: %v, want nil", err)
 	}
-	if live, alloc := c.WindowStats(); live != 0 || alloc != 0 || c.qp.FakeMWs() != 0 {
-		t.Errorf("broken: %d live, %d allocated, %d fake MWs; want none", live, alloc, c.qp.FakeMWs())
+	if live, alloc := c.WindowStats(); live != 0 || alloc != 0 || liveMWs(f) != 0 {
+		t.Errorf("broken: %d live, %d allocated, %d fake MWs; want none", live, alloc, liveMWs(f))
 	}
 	if _, err := c.BindWindow(context.Background(), r, 0, 4096, transport.AccessRemoteRead); !errors.Is(err, transport.ErrClosed) {
 		t.Errorf("bind on a broken conn: %v, want ErrClosed", err)
 	}
 
 	// A bind in flight when the conn is torn down.
-	c2, r2 := fakeWindowConn(t, true)
+	c2, r2, f2 := fakeWindowConn(t, true)
 	res = bindAsync(context.Background(), c2, r2, 0, 4096)
 	nextMWPost(t, c2, 0)
 	c2.destroyWindows()
 	if b := <-res; !errors.Is(b.err, transport.ErrClosed) {
 		t.Errorf("bind in flight at the teardown: %v, want ErrClosed", b.err)
 	}
-	if c2.qp.FakeMWs() != 0 {
-		t.Errorf("%d memory windows left after the teardown", c2.qp.FakeMWs())
+	if liveMWs(f2) != 0 {
+		t.Errorf("%d memory windows left after the teardown", liveMWs(f2))
 	}
 }
 
 // TestWindowUnsupported: without memory windows BindWindow says so with
 // ErrUnsupported, whether the device attributes or ibv_alloc_mw told.
 func TestWindowUnsupported(t *testing.T) {
-	c, r := fakeWindowConn(t, false)
+	c, r, _ := fakeWindowConn(t, false)
 	for i := range 2 { // ibv_alloc_mw fails, then the conn knows
 		if _, err := c.BindWindow(context.Background(), r, 0, 4096, transport.AccessRemoteRead); !errors.Is(err, transport.ErrUnsupported) {
 			t.Errorf("bind %d without memory windows: %v, want ErrUnsupported", i+1, err)
@@ -246,14 +246,7 @@ func TestWindowUnsupported(t *testing.T) {
 // windows first (rxe refuses to deregister an MR with windows bound), and
 // refuses while a bind over it is in flight.
 func TestWindowDeregisterRegion(t *testing.T) {
-	c, r := fakeWindowConn(t, true)
-	deregMR = func(mr *verbs.MR) error {
-		if len(r.windows) > 0 {
-			return errors.New("windows bound")
-		}
-		return nil
-	}
-	t.Cleanup(func() { deregMR = (*verbs.MR).Dereg })
+	c, r, f := fakeWindowConn(t, true)
 	res := bindAsync(context.Background(), c, r, 0, 4096)
 	id := nextMWPost(t, c, 0)
 	if err := r.Deregister(); !errors.Is(err, transport.ErrDeregisterFailed) {
@@ -270,7 +263,7 @@ func TestWindowDeregisterRegion(t *testing.T) {
 	if err := w.Invalidate(context.Background()); err != nil {
 		t.Errorf("invalidate after the region went: %v", err)
 	}
-	if live, alloc := c.WindowStats(); live != 0 || alloc != 0 || c.qp.FakeMWs() != 0 {
-		t.Errorf("%d live, %d allocated, %d fake MWs; want none", live, alloc, c.qp.FakeMWs())
+	if live, alloc := c.WindowStats(); live != 0 || alloc != 0 || liveMWs(f) != 0 {
+		t.Errorf("%d live, %d allocated, %d fake MWs; want none", live, alloc, liveMWs(f))
 	}
 }

@@ -42,22 +42,32 @@ func Connect(tb testing.TB, p transport.Provider, addr string) (a, b transport.C
 }
 
 // connect dials l and accepts the request, with the private data given.
+// If the dial fails before its request reaches l, the accept is given up
+// (and the dial's error returned) rather than waited for until ctx ends.
 func connect(ctx context.Context, p transport.Provider, l transport.Listener, dialPD, acceptPD []byte) (a, b transport.Conn, err error) {
 	type result struct {
 		c   transport.Conn
 		err error
 	}
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	dialed := make(chan result, 1)
 	go func() {
 		c, err := p.Dial(ctx, l.Addr(), dialPD)
+		if err != nil {
+			cancel()
+		}
 		dialed <- result{c, err}
 	}()
-	req, err := l.Accept(ctx)
+	req, err := l.Accept(actx)
 	if err == nil {
-		b, err = req.Accept(ctx, acceptPD)
+		b, err = req.Accept(actx, acceptPD)
 	}
 	r := <-dialed
-	if err == nil {
+	if r.err != nil {
+		// The dial's error says what went wrong first.
+		err = r.err
+	} else if err == nil {
 		err = r.err
 	}
 	if err != nil {

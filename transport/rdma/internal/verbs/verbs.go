@@ -4,444 +4,8 @@ package verbs
 
 /*
 #cgo LDFLAGS: -libverbs -lrdmacm
-#include <errno.h>
-#include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
-
-// rblk_wr is one work request as Go fills it (see WR).
-struct rblk_wr {
-	uint64_t wr_id;
-	uint64_t addr;
-	uint64_t raddr;
-	uint32_t length;
-	uint32_t lkey;
-	uint32_t rkey;
-	uint32_t imm;
-	uint32_t opcode;
-	uint32_t flags;
-};
-
-// rblk_wc is one completion as Go reads it (see WC).
-struct rblk_wc {
-	uint64_t wr_id;
-	uint32_t status;
-	uint32_t opcode;
-	uint32_t byte_len;
-	uint32_t imm;
-	uint32_t vendor_err;
-	uint32_t wc_flags;
-};
-
-enum {
-	RBLK_WR_SIZE = sizeof(struct rblk_wr),
-	RBLK_WR_OPCODE = offsetof(struct rblk_wr, opcode),
-	RBLK_WC_SIZE = sizeof(struct rblk_wc),
-	RBLK_WC_VENDOR = offsetof(struct rblk_wc, vendor_err),
-};
-
-// rblk_qp_bufs are the arrays a QP posts from, allocated with it.
-struct rblk_qp_bufs {
-	int chunk;
-	// Of the last post that failed, how many went before the one refused:
-	// one counter per queue, as sends and receives are posted under
-	// different locks (a shared one could be overwritten by the other
-	// queue's post before it is read).
-	int send_posted;
-	int recv_posted;
-	struct rblk_wr *send_in;
-	struct ibv_send_wr *send_wr;
-	struct ibv_sge *send_sge;
-	struct rblk_wr *recv_in;
-	struct ibv_recv_wr *recv_wr;
-	struct ibv_sge *recv_sge;
-};
-
-static void rblk_free_qp_bufs(struct rblk_qp_bufs *b) {
-	if (!b)
-		return;
-	free(b->send_in);
-	free(b->send_wr);
-	free(b->send_sge);
-	free(b->recv_in);
-	free(b->recv_wr);
-	free(b->recv_sge);
-	free(b);
-}
-
-static struct rblk_qp_bufs *rblk_alloc_qp_bufs(int chunk) {
-	struct rblk_qp_bufs *b = calloc(1, sizeof(*b));
-	if (!b)
-		return NULL;
-	b->chunk = chunk;
-	b->send_in = calloc(chunk, sizeof(struct rblk_wr));
-	b->send_wr = calloc(chunk, sizeof(struct ibv_send_wr));
-	b->send_sge = calloc(chunk, sizeof(struct ibv_sge));
-	b->recv_in = calloc(chunk, sizeof(struct rblk_wr));
-	b->recv_wr = calloc(chunk, sizeof(struct ibv_recv_wr));
-	b->recv_sge = calloc(chunk, sizeof(struct ibv_sge));
-	if (!b->send_in || !b->send_wr || !b->send_sge || !b->recv_in || !b->recv_wr || !b->recv_sge) {
-		rblk_free_qp_bufs(b);
-		return NULL;
-	}
-	return b;
-}
-
-// rblk_post_send posts send_in[0:n] as one chain with one ibv_post_send.
-// It returns 0, or the error of ibv_post_send with b->send_posted set to
-// the number of requests before the one that failed.
-static int rblk_post_send(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
-	int i, ret;
-	struct ibv_send_wr *bad = NULL;
-
-	for (i = 0; i < n; i++) {
-		const struct rblk_wr *in = &b->send_in[i];
-		struct ibv_send_wr *wr = &b->send_wr[i];
-		struct ibv_sge *sge = &b->send_sge[i];
-
-		memset(wr, 0, sizeof(*wr));
-		wr->wr_id = in->wr_id;
-		wr->next = i + 1 < n ? &b->send_wr[i + 1] : NULL;
-		if (in->length) {
-			sge->addr = in->addr;
-			sge->length = in->length;
-			sge->lkey = in->lkey;
-			wr->sg_list = sge;
-			wr->num_sge = 1;
-		}
-		wr->opcode = (enum ibv_wr_opcode)in->opcode;
-		wr->send_flags = in->flags;
-		wr->imm_data = htonl(in->imm);
-		wr->wr.rdma.remote_addr = in->raddr;
-		wr->wr.rdma.rkey = in->rkey;
-	}
-	ret = ibv_post_send(qp, b->send_wr, &bad);
-	b->send_posted = ret ? (bad ? (int)(bad - b->send_wr) : 0) : n;
-	return ret;
-}
-
-// rblk_post_recv is rblk_post_send for receives; b->recv_posted counts.
-static int rblk_post_recv(struct ibv_qp *qp, struct rblk_qp_bufs *b, int n) {
-	int i, ret;
-	struct ibv_recv_wr *bad = NULL;
-
-	for (i = 0; i < n; i++) {
-		const struct rblk_wr *in = &b->recv_in[i];
-		struct ibv_recv_wr *wr = &b->recv_wr[i];
-		struct ibv_sge *sge = &b->recv_sge[i];
-
-		memset(wr, 0, sizeof(*wr));
-		wr->wr_id = in->wr_id;
-		wr->next = i + 1 < n ? &b->recv_wr[i + 1] : NULL;
-		if (in->length) {
-			sge->addr = in->addr;
-			sge->length = in->length;
-			sge->lkey = in->lkey;
-			wr->sg_list = sge;
-			wr->num_sge = 1;
-		}
-	}
-	ret = ibv_post_recv(qp, b->recv_wr, &bad);
-	b->recv_posted = ret ? (bad ? (int)(bad - b->recv_wr) : 0) : n;
-	return ret;
-}
-
-static void rblk_convert(const struct ibv_wc *wc, struct rblk_wc *out, int n) {
-	int i;
-	for (i = 0; i < n; i++) {
-		out[i].wr_id = wc[i].wr_id;
-		out[i].status = wc[i].status;
-		out[i].opcode = wc[i].opcode;
-		out[i].byte_len = wc[i].byte_len;
-		out[i].imm = (wc[i].wc_flags & IBV_WC_WITH_IMM) ? ntohl(wc[i].imm_data) : 0;
-		out[i].vendor_err = wc[i].vendor_err;
-		out[i].wc_flags = wc[i].wc_flags;
-	}
-}
-
-// rblk_poll polls up to n completions. With arm set and nothing found, it
-// requests a notification and polls again (a completion that came between
-// the poll and the request raises no event). It returns the count or
-// -errno.
-static int rblk_poll(struct ibv_cq *cq, struct ibv_wc *wc, struct rblk_wc *out, int n, int arm) {
-	int k, ret;
-
-	k = ibv_poll_cq(cq, n, wc);
-	if (k == 0 && arm) {
-		ret = ibv_req_notify_cq(cq, 0);
-		if (ret)
-			return -ret;
-		k = ibv_poll_cq(cq, n, wc);
-	}
-	if (k < 0)
-		return -EIO;
-	rblk_convert(wc, out, k);
-	return k;
-}
-
-// rblk_poll_spin polls until it finds completions or budget_ns elapsed.
-static int rblk_poll_spin(struct ibv_cq *cq, struct ibv_wc *wc, struct rblk_wc *out, int n, int64_t budget_ns) {
-	struct timespec start, now;
-	int k, i = 0;
-
-	clock_gettime(CLOCK_MONOTONIC, &start);
-	for (;;) {
-		k = ibv_poll_cq(cq, n, wc);
-		if (k != 0)
-			break;
-		if ((++i & 63) == 0) {
-			clock_gettime(CLOCK_MONOTONIC, &now);
-			if ((now.tv_sec - start.tv_sec) * 1000000000LL + (now.tv_nsec - start.tv_nsec) >= budget_ns)
-				return 0;
-		}
-	}
-	if (k < 0)
-		return -EIO;
-	rblk_convert(wc, out, k);
-	return k;
-}
-
-// rblk_get_cq_event consumes one completion event without blocking (the
-// channel's fd is non-blocking): 1 if one was there, 0 if not, -errno.
-static int rblk_get_cq_event(struct ibv_comp_channel *ch) {
-	struct ibv_cq *cq;
-	void *ctx;
-
-	if (ibv_get_cq_event(ch, &cq, &ctx))
-		return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -errno;
-	return 1;
-}
-
-// rblk_event is a connection manager event copied out of librdmacm's, which
-// is acknowledged at once.
-struct rblk_event {
-	struct rdma_cm_id *id;
-	struct rdma_cm_id *listen_id;
-	int event;
-	int status;
-	int private_data_len;
-	uint8_t responder_resources;
-	uint8_t initiator_depth;
-	uint8_t flow_control;
-	uint8_t retry_count;
-	uint8_t rnr_retry_count;
-	uint8_t private_data[256];
-};
-
-static int rblk_get_event(struct rdma_event_channel *ch, struct rblk_event *out) {
-	struct rdma_cm_event *ev;
-	const struct rdma_conn_param *p;
-
-	if (rdma_get_cm_event(ch, &ev))
-		return errno;
-	memset(out, 0, sizeof(*out));
-	out->id = ev->id;
-	out->listen_id = ev->listen_id;
-	out->event = ev->event;
-	out->status = ev->status;
-	switch (ev->event) {
-	case RDMA_CM_EVENT_CONNECT_REQUEST:
-	case RDMA_CM_EVENT_CONNECT_RESPONSE:
-	case RDMA_CM_EVENT_ESTABLISHED:
-	case RDMA_CM_EVENT_REJECTED:
-		p = &ev->param.conn;
-		out->responder_resources = p->responder_resources;
-		out->initiator_depth = p->initiator_depth;
-		out->flow_control = p->flow_control;
-		out->retry_count = p->retry_count;
-		out->rnr_retry_count = p->rnr_retry_count;
-		if (p->private_data && p->private_data_len) {
-			out->private_data_len = p->private_data_len;
-			memcpy(out->private_data, p->private_data, p->private_data_len);
-		}
-		break;
-	default:
-		break;
-	}
-	rdma_ack_cm_event(ev);
-	return 0;
-}
-
-static void rblk_sockaddr(struct sockaddr_storage *ss, int v6, const uint8_t *ip, uint16_t port) {
-	memset(ss, 0, sizeof(*ss));
-	if (v6) {
-		struct sockaddr_in6 *s = (struct sockaddr_in6 *)ss;
-		s->sin6_family = AF_INET6;
-		s->sin6_port = htons(port);
-		memcpy(&s->sin6_addr, ip, 16);
-	} else {
-		struct sockaddr_in *s = (struct sockaddr_in *)ss;
-		s->sin_family = AF_INET;
-		s->sin_port = htons(port);
-		memcpy(&s->sin_addr, ip, 4);
-	}
-}
-
-// rblk_addr reads a socket address: 4 or 6, or 0 if it is neither.
-static int rblk_addr(const struct sockaddr *sa, uint8_t *ip, uint16_t *port) {
-	if (!sa)
-		return 0;
-	if (sa->sa_family == AF_INET) {
-		const struct sockaddr_in *s = (const struct sockaddr_in *)sa;
-		memcpy(ip, &s->sin_addr, 4);
-		*port = ntohs(s->sin_port);
-		return 4;
-	}
-	if (sa->sa_family == AF_INET6) {
-		const struct sockaddr_in6 *s = (const struct sockaddr_in6 *)sa;
-		memcpy(ip, &s->sin6_addr, 16);
-		*port = ntohs(s->sin6_port);
-		return 6;
-	}
-	return 0;
-}
-
-static int rblk_local_addr(struct rdma_cm_id *id, uint8_t *ip, uint16_t *port) {
-	return rblk_addr(rdma_get_local_addr(id), ip, port);
-}
-
-static int rblk_peer_addr(struct rdma_cm_id *id, uint8_t *ip, uint16_t *port) {
-	return rblk_addr(rdma_get_peer_addr(id), ip, port);
-}
-
-static const char *rblk_device_name(struct rdma_cm_id *id) {
-	if (!id->verbs || !id->verbs->device)
-		return "";
-	return ibv_get_device_name(id->verbs->device);
-}
-
-static void rblk_sgid(struct rdma_cm_id *id, uint8_t *gid) {
-	memcpy(gid, id->route.addr.addr.ibaddr.sgid.raw, 16);
-}
-
-static int rblk_create_qp(struct rdma_cm_id *id, struct ibv_pd *pd, struct ibv_cq *cq,
-			  uint32_t send_wr, uint32_t recv_wr, uint32_t inline_data, struct ibv_qp_cap *cap) {
-	struct ibv_qp_init_attr attr;
-
-	memset(&attr, 0, sizeof(attr));
-	attr.send_cq = cq;
-	attr.recv_cq = cq;
-	attr.qp_type = IBV_QPT_RC;
-	// Selective signaling: a send request completes only if it carries
-	// IBV_SEND_SIGNALED, or fails.
-	attr.sq_sig_all = 0;
-	attr.cap.max_send_wr = send_wr;
-	attr.cap.max_recv_wr = recv_wr;
-	attr.cap.max_send_sge = 1;
-	attr.cap.max_recv_sge = 1;
-	attr.cap.max_inline_data = inline_data;
-	if (rdma_create_qp(id, pd, &attr))
-		return errno;
-	*cap = attr.cap;
-	return 0;
-}
-
-static int rblk_connect(struct rdma_cm_id *id, int accept, const void *pd, uint8_t pdlen,
-			uint8_t resp_res, uint8_t init_depth, uint8_t flow_control, uint8_t retry, uint8_t rnr_retry) {
-	struct rdma_conn_param p;
-
-	memset(&p, 0, sizeof(p));
-	p.private_data = pdlen ? pd : NULL;
-	p.private_data_len = pdlen;
-	p.responder_resources = resp_res;
-	p.initiator_depth = init_depth;
-	p.flow_control = flow_control;
-	p.retry_count = retry;
-	p.rnr_retry_count = rnr_retry;
-	if (accept ? rdma_accept(id, &p) : rdma_connect(id, &p))
-		return errno;
-	return 0;
-}
-
-static int rblk_set_min_rnr_timer(struct ibv_qp *qp, uint8_t timer) {
-	struct ibv_qp_attr attr;
-
-	memset(&attr, 0, sizeof(attr));
-	attr.min_rnr_timer = timer;
-	return ibv_modify_qp(qp, &attr, IBV_QP_MIN_RNR_TIMER);
-}
-
-static int rblk_qp_to_error(struct ibv_qp *qp) {
-	struct ibv_qp_attr attr;
-
-	memset(&attr, 0, sizeof(attr));
-	attr.qp_state = IBV_QPS_ERR;
-	return ibv_modify_qp(qp, &attr, IBV_QP_STATE);
-}
-
-// rblk_alloc_mw is ibv_alloc_mw of a type-2 window; NULL with errno set.
-static struct ibv_mw *rblk_alloc_mw(struct ibv_pd *pd) {
-	return ibv_alloc_mw(pd, IBV_MW_TYPE_2);
-}
-
-static int rblk_dealloc_mw(struct ibv_mw *mw) { return ibv_dealloc_mw(mw); }
-
-// rblk_post_bind_mw posts one signaled IBV_WR_BIND_MW of the type-2 window
-// mw over [addr, addr+length) of mr, under the new rkey (whose 8 low bits
-// the caller chose with ibv_inc_rkey). Once posted, mw->rkey is the new
-// one: the next bind names the window by it (rxe checks that it is the
-// window's current key).
-static int rblk_post_bind_mw(struct ibv_qp *qp, uint64_t wr_id, struct ibv_mw *mw, struct ibv_mr *mr,
-			     uint64_t addr, uint64_t length, unsigned int access, uint32_t rkey) {
-	struct ibv_send_wr wr, *bad = NULL;
-	int ret;
-
-	memset(&wr, 0, sizeof(wr));
-	wr.wr_id = wr_id;
-	wr.opcode = IBV_WR_BIND_MW;
-	wr.send_flags = IBV_SEND_SIGNALED;
-	wr.bind_mw.mw = mw;
-	wr.bind_mw.rkey = rkey;
-	wr.bind_mw.bind_info.mr = mr;
-	wr.bind_mw.bind_info.addr = addr;
-	wr.bind_mw.bind_info.length = length;
-	wr.bind_mw.bind_info.mw_access_flags = access;
-	ret = ibv_post_send(qp, &wr, &bad);
-	if (ret == 0)
-		mw->rkey = rkey;
-	return ret;
-}
-
-// rblk_post_local_inv posts one signaled IBV_WR_LOCAL_INV of rkey.
-static int rblk_post_local_inv(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey) {
-	struct ibv_send_wr wr, *bad = NULL;
-
-	memset(&wr, 0, sizeof(wr));
-	wr.wr_id = wr_id;
-	wr.opcode = IBV_WR_LOCAL_INV;
-	wr.send_flags = IBV_SEND_SIGNALED;
-	wr.invalidate_rkey = rkey;
-	return ibv_post_send(qp, &wr, &bad);
-}
-
-// rblk_post_drain posts one signaled zero-length IBV_WR_RDMA_WRITE: on a
-// QP in the error state it completes flushed after everything posted
-// before it; on a working QP it executes (a zero-length RDMA WRITE names
-// no memory: the peer checks no key, IBA C9-88) and completes after
-// everything before it.
-static int rblk_post_drain(struct ibv_qp *qp, uint64_t wr_id) {
-	struct ibv_send_wr wr, *bad = NULL;
-
-	memset(&wr, 0, sizeof(wr));
-	wr.wr_id = wr_id;
-	wr.opcode = IBV_WR_RDMA_WRITE;
-	wr.send_flags = IBV_SEND_SIGNALED;
-	return ibv_post_send(qp, &wr, &bad);
-}
-
-static uint32_t rblk_inc_rkey(uint32_t rkey) { return ibv_inc_rkey(rkey); }
-static int rblk_num_comp_vectors(struct ibv_context *c) { return c->num_comp_vectors; }
-
-static struct ibv_context *rblk_id_verbs(struct rdma_cm_id *id) { return id->verbs; }
-static struct ibv_qp *rblk_id_qp(struct rdma_cm_id *id) { return id->qp; }
-static uint8_t rblk_id_port(struct rdma_cm_id *id) { return id->port_num; }
-static uint32_t rblk_qp_num(struct ibv_qp *qp) { return qp->qp_num; }
+#include "verbs.h"
 */
 import "C"
 
@@ -454,90 +18,61 @@ import (
 	"unsafe"
 )
 
-// WR is a work request as the C side reads it: a span of a registered
-// region (Addr, Length, LKey), the peer's memory for one-sided operations
-// (RAddr, RKey), immediate data in host order, an ibv_wr_opcode and
-// ibv_send_flags. Its layout is that of struct rblk_wr.
-type WR struct {
-	ID     uint64
-	Addr   uint64
-	RAddr  uint64
-	Length uint32
-	LKey   uint32
-	RKey   uint32
-	Imm    uint32
-	Opcode uint32
-	Flags  uint32
-}
-
-// WC is a completion as the C side writes it: Imm in host order. Its layout
-// is that of struct rblk_wc.
-type WC struct {
-	ID        uint64
-	Status    uint32
-	Opcode    uint32
-	ByteLen   uint32
-	Imm       uint32
-	VendorErr uint32
-	Flags     uint32
-}
-
-func init() {
-	if unsafe.Sizeof(WR{}) != C.RBLK_WR_SIZE || unsafe.Offsetof(WR{}.Opcode) != C.RBLK_WR_OPCODE ||
-		unsafe.Sizeof(WC{}) != C.RBLK_WC_SIZE || unsafe.Offsetof(WC{}.VendorErr) != C.RBLK_WC_VENDOR {
-		panic("verbs: Go and C layouts of work requests or completions differ")
-	}
-}
-
-// Work request opcodes and flags (ibv_wr_opcode, ibv_send_flags).
-const (
-	WRSend         = C.IBV_WR_SEND
-	WRRDMAWrite    = C.IBV_WR_RDMA_WRITE
-	WRRDMAWriteImm = C.IBV_WR_RDMA_WRITE_WITH_IMM
-	WRRDMARead     = C.IBV_WR_RDMA_READ
-
-	FlagSignaled = C.IBV_SEND_SIGNALED
-	FlagInline   = C.IBV_SEND_INLINE
+// The Go and C layouts of work requests and completions, and the ABI
+// constants of device.go, agree: each line is an array whose length would
+// be negative (a compile error) otherwise.
+var (
+	_ [unsafe.Sizeof(WR{}) - C.RBLK_WR_SIZE]struct{}
+	_ [C.RBLK_WR_SIZE - unsafe.Sizeof(WR{})]struct{}
+	_ [unsafe.Offsetof(WR{}.Opcode) - C.RBLK_WR_OPCODE]struct{}
+	_ [C.RBLK_WR_OPCODE - unsafe.Offsetof(WR{}.Opcode)]struct{}
+	_ [unsafe.Sizeof(WC{}) - C.RBLK_WC_SIZE]struct{}
+	_ [C.RBLK_WC_SIZE - unsafe.Sizeof(WC{})]struct{}
+	_ [unsafe.Offsetof(WC{}.VendorErr) - C.RBLK_WC_VENDOR]struct{}
+	_ [C.RBLK_WC_VENDOR - unsafe.Offsetof(WC{}.VendorErr)]struct{}
 )
 
-// Completion opcodes (ibv_wc_opcode) of receives, and wc_flags.
+// Each abi constant is zero when the constants of device.go are the
+// headers' values; the arrays below have a negative length otherwise.
 const (
-	WCRecv            = C.IBV_WC_RECV
-	WCRecvRDMAWithImm = C.IBV_WC_RECV_RDMA_WITH_IMM
-	WCFlagWithImm     = C.IBV_WC_WITH_IMM
+	abiWR = (WRRDMAWrite ^ C.IBV_WR_RDMA_WRITE) | (WRRDMAWriteImm ^ C.IBV_WR_RDMA_WRITE_WITH_IMM) |
+		(WRSend ^ C.IBV_WR_SEND) | (WRRDMARead ^ C.IBV_WR_RDMA_READ) | (WRLocalInv ^ C.IBV_WR_LOCAL_INV) |
+		(WRBindMW ^ C.IBV_WR_BIND_MW) | (FlagSignaled ^ C.IBV_SEND_SIGNALED) | (FlagInline ^ C.IBV_SEND_INLINE)
+	abiWC = (WCSend ^ C.IBV_WC_SEND) | (WCRDMAWrite ^ C.IBV_WC_RDMA_WRITE) | (WCRDMARead ^ C.IBV_WC_RDMA_READ) |
+		(WCBindMW ^ C.IBV_WC_BIND_MW) | (WCLocalInv ^ C.IBV_WC_LOCAL_INV) | (WCRecv ^ C.IBV_WC_RECV) |
+		(WCRecvRDMAWithImm ^ C.IBV_WC_RECV_RDMA_WITH_IMM) | (WCFlagWithImm ^ C.IBV_WC_WITH_IMM)
+	abiAccess = (AccessLocalWrite ^ C.IBV_ACCESS_LOCAL_WRITE) | (AccessRemoteWrite ^ C.IBV_ACCESS_REMOTE_WRITE) |
+		(AccessRemoteRead ^ C.IBV_ACCESS_REMOTE_READ) | (AccessMWBind ^ C.IBV_ACCESS_MW_BIND)
+	abiStatus = (WCSuccess ^ C.IBV_WC_SUCCESS) | (WCLocLenErr ^ C.IBV_WC_LOC_LEN_ERR) | (WCLocQPOpErr ^ C.IBV_WC_LOC_QP_OP_ERR) |
+		(WCLocProtErr ^ C.IBV_WC_LOC_PROT_ERR) | (WCWRFlushErr ^ C.IBV_WC_WR_FLUSH_ERR) | (WCMWBindErr ^ C.IBV_WC_MW_BIND_ERR) |
+		(WCRemInvReqErr ^ C.IBV_WC_REM_INV_REQ_ERR) | (WCRemAccessErr ^ C.IBV_WC_REM_ACCESS_ERR) | (WCRemOpErr ^ C.IBV_WC_REM_OP_ERR) |
+		(WCRetryExcErr ^ C.IBV_WC_RETRY_EXC_ERR) | (WCRNRRetryExcErr ^ C.IBV_WC_RNR_RETRY_EXC_ERR) |
+		(WCGeneralErr ^ C.IBV_WC_GENERAL_ERR) | (len(statusText) - 1 ^ C.IBV_WC_TM_RNDV_INCOMPLETE)
+	abiEvent = (int(EventAddrResolved) ^ C.RDMA_CM_EVENT_ADDR_RESOLVED) | (int(EventConnectRequest) ^ C.RDMA_CM_EVENT_CONNECT_REQUEST) |
+		(int(EventRejected) ^ C.RDMA_CM_EVENT_REJECTED) | (int(EventEstablished) ^ C.RDMA_CM_EVENT_ESTABLISHED) |
+		(int(EventDisconnected) ^ C.RDMA_CM_EVENT_DISCONNECTED) | (int(EventDeviceRemoval) ^ C.RDMA_CM_EVENT_DEVICE_REMOVAL) |
+		(int(EventTimewaitExit) ^ C.RDMA_CM_EVENT_TIMEWAIT_EXIT) | (len(eventText) - 1 ^ C.RDMA_CM_EVENT_TIMEWAIT_EXIT)
 )
 
-// Access flags (ibv_access_flags).
-const (
-	AccessLocalWrite  = C.IBV_ACCESS_LOCAL_WRITE
-	AccessRemoteWrite = C.IBV_ACCESS_REMOTE_WRITE
-	AccessRemoteRead  = C.IBV_ACCESS_REMOTE_READ
-	AccessMWBind      = C.IBV_ACCESS_MW_BIND
+var (
+	_ [-abiWR]struct{}
+	_ [-abiWC]struct{}
+	_ [-abiAccess]struct{}
+	_ [-abiStatus]struct{}
+	_ [-abiEvent]struct{}
 )
 
-// Completion opcodes (ibv_wc_opcode) of memory window requests.
-const (
-	WCBindMW   = C.IBV_WC_BIND_MW
-	WCLocalInv = C.IBV_WC_LOCAL_INV
-)
-
-// Completion statuses (ibv_wc_status).
-const (
-	WCSuccess        = C.IBV_WC_SUCCESS
-	WCLocLenErr      = C.IBV_WC_LOC_LEN_ERR
-	WCLocQPOpErr     = C.IBV_WC_LOC_QP_OP_ERR
-	WCLocProtErr     = C.IBV_WC_LOC_PROT_ERR
-	WCWRFlushErr     = C.IBV_WC_WR_FLUSH_ERR
-	WCRemInvReqErr   = C.IBV_WC_REM_INV_REQ_ERR
-	WCRemAccessErr   = C.IBV_WC_REM_ACCESS_ERR
-	WCRetryExcErr    = C.IBV_WC_RETRY_EXC_ERR
-	WCRNRRetryExcErr = C.IBV_WC_RNR_RETRY_EXC_ERR
-)
-
-// StatusString is ibv_wc_status_str.
-func StatusString(status uint32) string {
+// cStatusString, cEventString and cIncRKey are the library's own, for the
+// tests that compare the Go versions with them.
+func cStatusString(status uint32) string {
 	return C.GoString(C.ibv_wc_status_str(C.enum_ibv_wc_status(status)))
 }
+
+func cEventString(t EventType) string {
+	return C.GoString(C.rdma_event_str(C.enum_rdma_cm_event_type(t)))
+}
+
+func cIncRKey(rkey uint32) uint32 { return uint32(C.rblk_inc_rkey(C.uint32_t(rkey))) }
 
 // errnoErr wraps the errno value e, or EIO if it is 0.
 func errnoErr(op string, e C.int) error {
@@ -555,58 +90,13 @@ func callErr(op string, err error) error {
 	return fmt.Errorf("%s: %w", op, err)
 }
 
-// Connection manager event types (rdma_cm_event_type).
-type EventType int
+// Open returns the Stack over librdmacm and libibverbs.
+func Open() Stack { return cStack{} }
 
-const (
-	EventAddrResolved    EventType = C.RDMA_CM_EVENT_ADDR_RESOLVED
-	EventAddrError       EventType = C.RDMA_CM_EVENT_ADDR_ERROR
-	EventRouteResolved   EventType = C.RDMA_CM_EVENT_ROUTE_RESOLVED
-	EventRouteError      EventType = C.RDMA_CM_EVENT_ROUTE_ERROR
-	EventConnectRequest  EventType = C.RDMA_CM_EVENT_CONNECT_REQUEST
-	EventConnectResponse EventType = C.RDMA_CM_EVENT_CONNECT_RESPONSE
-	EventConnectError    EventType = C.RDMA_CM_EVENT_CONNECT_ERROR
-	EventUnreachable     EventType = C.RDMA_CM_EVENT_UNREACHABLE
-	EventRejected        EventType = C.RDMA_CM_EVENT_REJECTED
-	EventEstablished     EventType = C.RDMA_CM_EVENT_ESTABLISHED
-	EventDisconnected    EventType = C.RDMA_CM_EVENT_DISCONNECTED
-	EventDeviceRemoval   EventType = C.RDMA_CM_EVENT_DEVICE_REMOVAL
-	EventAddrChange      EventType = C.RDMA_CM_EVENT_ADDR_CHANGE
-	EventTimewaitExit    EventType = C.RDMA_CM_EVENT_TIMEWAIT_EXIT
-)
-
-func (t EventType) String() string {
-	return C.GoString(C.rdma_event_str(C.enum_rdma_cm_event_type(t)))
-}
-
-// ConnParam is what a connect, accept or reject carries, and what the
-// connection events report of the peer's.
-type ConnParam struct {
-	PrivateData        []byte
-	ResponderResources uint8
-	InitiatorDepth     uint8
-	FlowControl        uint8
-	RetryCount         uint8
-	RNRRetryCount      uint8
-}
-
-// Event is a connection manager event, already acknowledged.
-type Event struct {
-	Type     EventType
-	Status   int
-	ID       *CMID
-	ListenID *CMID
-	Conn     ConnParam
-}
-
-// EventChannel is an rdma_event_channel whose fd is non-blocking.
-type EventChannel struct {
-	p  *C.struct_rdma_event_channel
-	ev *C.struct_rblk_event
-}
+type cStack struct{}
 
 // NewEventChannel creates an event channel and makes its fd non-blocking.
-func NewEventChannel() (*EventChannel, error) {
+func (cStack) NewEventChannel() (EventChannel, error) {
 	p, err := C.rdma_create_event_channel()
 	if p == nil {
 		if err == nil {
@@ -623,14 +113,27 @@ func NewEventChannel() (*EventChannel, error) {
 		C.rdma_destroy_event_channel(p)
 		return nil, errors.New("rdma event channel: out of memory")
 	}
-	return &EventChannel{p: p, ev: ev}, nil
+	return &eventChannel{p: p, ev: ev}, nil
 }
 
-// Fd is the channel's file descriptor, readable when an event is queued.
-func (ch *EventChannel) Fd() int { return int(ch.p.fd) }
+// NewID creates an id whose events go to ch.
+func (cStack) NewID(ch EventChannel) (CMID, error) {
+	var p *C.struct_rdma_cm_id
+	if r, err := C.rdma_create_id(ch.(*eventChannel).p, &p, nil, C.RDMA_PS_TCP); r != 0 {
+		return nil, callErr("rdma_create_id", err)
+	}
+	return &cmID{p: p}, nil
+}
 
-// Destroy destroys the channel. Its ids must be destroyed or migrated.
-func (ch *EventChannel) Destroy() {
+// eventChannel is an rdma_event_channel whose fd is non-blocking.
+type eventChannel struct {
+	p  *C.struct_rdma_event_channel
+	ev *C.struct_rblk_event
+}
+
+func (ch *eventChannel) Fd() int { return int(ch.p.fd) }
+
+func (ch *eventChannel) Destroy() {
 	if ch.p != nil {
 		C.rdma_destroy_event_channel(ch.p)
 		C.free(unsafe.Pointer(ch.ev))
@@ -638,9 +141,7 @@ func (ch *EventChannel) Destroy() {
 	}
 }
 
-// GetEvent takes the next event without blocking: syscall.EAGAIN when
-// there is none. One goroutine at a time may call it.
-func (ch *EventChannel) GetEvent() (Event, error) {
+func (ch *eventChannel) GetEvent() (Event, error) {
 	if e := C.rblk_get_event(ch.p, ch.ev); e != 0 {
 		if e == C.EAGAIN {
 			return Event{}, syscall.EAGAIN
@@ -651,7 +152,6 @@ func (ch *EventChannel) GetEvent() (Event, error) {
 	out := Event{
 		Type:   EventType(ev.event),
 		Status: int(ev.status),
-		ID:     wrapID(ev.id),
 		Conn: ConnParam{
 			ResponderResources: uint8(ev.responder_resources),
 			InitiatorDepth:     uint8(ev.initiator_depth),
@@ -660,8 +160,11 @@ func (ch *EventChannel) GetEvent() (Event, error) {
 			RNRRetryCount:      uint8(ev.rnr_retry_count),
 		},
 	}
+	if ev.id != nil {
+		out.ID = &cmID{p: ev.id}
+	}
 	if ev.listen_id != nil {
-		out.ListenID = wrapID(ev.listen_id)
+		out.ListenID = &cmID{p: ev.listen_id}
 	}
 	if n := int(ev.private_data_len); n > 0 {
 		out.Conn.PrivateData = C.GoBytes(unsafe.Pointer(&ev.private_data[0]), C.int(min(n, len(ev.private_data))))
@@ -669,29 +172,10 @@ func (ch *EventChannel) GetEvent() (Event, error) {
 	return out, nil
 }
 
-// CMID is an rdma_cm_id of the TCP port space (reliable connections).
-type CMID struct {
+// cmID is an rdma_cm_id of the TCP port space (reliable connections).
+type cmID struct {
 	p *C.struct_rdma_cm_id
 }
-
-func wrapID(p *C.struct_rdma_cm_id) *CMID {
-	if p == nil {
-		return nil
-	}
-	return &CMID{p: p}
-}
-
-// NewID creates an id whose events go to ch.
-func NewID(ch *EventChannel) (*CMID, error) {
-	var p *C.struct_rdma_cm_id
-	if r, err := C.rdma_create_id(ch.p, &p, nil, C.RDMA_PS_TCP); r != 0 {
-		return nil, callErr("rdma_create_id", err)
-	}
-	return &CMID{p: p}, nil
-}
-
-// Is reports whether id and o are the same rdma_cm_id.
-func (id *CMID) Is(o *CMID) bool { return id != nil && o != nil && id.p == o.p }
 
 func sockaddr(ap netip.AddrPort) C.struct_sockaddr_storage {
 	var ss C.struct_sockaddr_storage
@@ -706,8 +190,7 @@ func sockaddr(ap netip.AddrPort) C.struct_sockaddr_storage {
 	return ss
 }
 
-// Bind is rdma_bind_addr.
-func (id *CMID) Bind(ap netip.AddrPort) error {
+func (id *cmID) Bind(ap netip.AddrPort) error {
 	ss := sockaddr(ap)
 	if r, err := C.rdma_bind_addr(id.p, (*C.struct_sockaddr)(unsafe.Pointer(&ss))); r != 0 {
 		return callErr("rdma_bind_addr "+ap.String(), err)
@@ -715,16 +198,14 @@ func (id *CMID) Bind(ap netip.AddrPort) error {
 	return nil
 }
 
-// Listen is rdma_listen.
-func (id *CMID) Listen(backlog int) error {
+func (id *cmID) Listen(backlog int) error {
 	if r, err := C.rdma_listen(id.p, C.int(backlog)); r != 0 {
 		return callErr("rdma_listen", err)
 	}
 	return nil
 }
 
-// ResolveAddr is rdma_resolve_addr; EventAddrResolved or EventAddrError follows.
-func (id *CMID) ResolveAddr(dst netip.AddrPort, timeout time.Duration) error {
+func (id *cmID) ResolveAddr(dst netip.AddrPort, timeout time.Duration) error {
 	ss := sockaddr(dst)
 	if r, err := C.rdma_resolve_addr(id.p, nil, (*C.struct_sockaddr)(unsafe.Pointer(&ss)), C.int(timeout.Milliseconds())); r != 0 {
 		return callErr("rdma_resolve_addr "+dst.String(), err)
@@ -732,23 +213,21 @@ func (id *CMID) ResolveAddr(dst netip.AddrPort, timeout time.Duration) error {
 	return nil
 }
 
-// ResolveRoute is rdma_resolve_route; EventRouteResolved or EventRouteError follows.
-func (id *CMID) ResolveRoute(timeout time.Duration) error {
+func (id *cmID) ResolveRoute(timeout time.Duration) error {
 	if r, err := C.rdma_resolve_route(id.p, C.int(timeout.Milliseconds())); r != 0 {
 		return callErr("rdma_resolve_route", err)
 	}
 	return nil
 }
 
-// Migrate is rdma_migrate_id: the id's events go to ch from now on.
-func (id *CMID) Migrate(ch *EventChannel) error {
-	if r, err := C.rdma_migrate_id(id.p, ch.p); r != 0 {
+func (id *cmID) Migrate(ch EventChannel) error {
+	if r, err := C.rdma_migrate_id(id.p, ch.(*eventChannel).p); r != 0 {
 		return callErr("rdma_migrate_id", err)
 	}
 	return nil
 }
 
-func (id *CMID) connect(accept bool, p ConnParam) error {
+func (id *cmID) connect(accept bool, p ConnParam) error {
 	var pd unsafe.Pointer
 	if len(p.PrivateData) > 0 {
 		// Copied into the command by librdmacm during the call.
@@ -766,14 +245,10 @@ func (id *CMID) connect(accept bool, p ConnParam) error {
 	return nil
 }
 
-// Connect is rdma_connect; the id must have its QP.
-func (id *CMID) Connect(p ConnParam) error { return id.connect(false, p) }
+func (id *cmID) Connect(p ConnParam) error { return id.connect(false, p) }
+func (id *cmID) Accept(p ConnParam) error  { return id.connect(true, p) }
 
-// Accept is rdma_accept; the id must have its QP.
-func (id *CMID) Accept(p ConnParam) error { return id.connect(true, p) }
-
-// Reject is rdma_reject.
-func (id *CMID) Reject(privateData []byte) error {
+func (id *cmID) Reject(privateData []byte) error {
 	var pd unsafe.Pointer
 	if len(privateData) > 0 {
 		pd = unsafe.Pointer(&privateData[0])
@@ -784,17 +259,14 @@ func (id *CMID) Reject(privateData []byte) error {
 	return nil
 }
 
-// Disconnect is rdma_disconnect: the QP moves to the error state (which
-// flushes its work requests) and the peer is told.
-func (id *CMID) Disconnect() error {
+func (id *cmID) Disconnect() error {
 	if r, err := C.rdma_disconnect(id.p); r != 0 {
 		return callErr("rdma_disconnect", err)
 	}
 	return nil
 }
 
-// Destroy is rdma_destroy_id. The QP must be destroyed first.
-func (id *CMID) Destroy() error {
+func (id *cmID) Destroy() error {
 	if id.p == nil {
 		return nil
 	}
@@ -806,13 +278,12 @@ func (id *CMID) Destroy() error {
 	return nil
 }
 
-// Context is the device context the id is bound to, or nil.
-func (id *CMID) Context() *Context {
+func (id *cmID) Context() Context {
 	p := C.rblk_id_verbs(id.p)
 	if p == nil {
 		return nil
 	}
-	return &Context{p: p}
+	return &devContext{p: p}
 }
 
 func addrPort(fam C.int, ip *[16]byte, port C.uint16_t) netip.AddrPort {
@@ -825,51 +296,36 @@ func addrPort(fam C.int, ip *[16]byte, port C.uint16_t) netip.AddrPort {
 	return netip.AddrPort{}
 }
 
-// LocalAddr is rdma_get_local_addr.
-func (id *CMID) LocalAddr() netip.AddrPort {
+func (id *cmID) LocalAddr() netip.AddrPort {
 	var ip [16]byte
 	var port C.uint16_t
 	fam := C.rblk_local_addr(id.p, (*C.uint8_t)(&ip[0]), &port)
 	return addrPort(fam, &ip, port)
 }
 
-// PeerAddr is rdma_get_peer_addr.
-func (id *CMID) PeerAddr() netip.AddrPort {
+func (id *cmID) PeerAddr() netip.AddrPort {
 	var ip [16]byte
 	var port C.uint16_t
 	fam := C.rblk_peer_addr(id.p, (*C.uint8_t)(&ip[0]), &port)
 	return addrPort(fam, &ip, port)
 }
 
-// DeviceName is the name of the device the id is bound to, or "".
-func (id *CMID) DeviceName() string { return C.GoString(C.rblk_device_name(id.p)) }
+func (id *cmID) DeviceName() string { return C.GoString(C.rblk_device_name(id.p)) }
+func (id *cmID) Port() int          { return int(C.rblk_id_port(id.p)) }
 
-// Port is the device port the id is bound to.
-func (id *CMID) Port() int { return int(C.rblk_id_port(id.p)) }
-
-// SGID is the source GID of the id's route.
-func (id *CMID) SGID() [16]byte {
+func (id *cmID) SGID() [16]byte {
 	var gid [16]byte
 	C.rblk_sgid(id.p, (*C.uint8_t)(&gid[0]))
 	return gid
 }
 
-// QPCaps are the sizes of a queue pair.
-type QPCaps struct {
-	SendWR, RecvWR, InlineData int
-}
-
-// CreateQP is rdma_create_qp: an RC QP on pd whose send and receive queues
-// complete on cq, with selective signaling (sq_sig_all = 0: a send request
-// completes only with FlagSignaled, or when it fails). It allocates the
-// arrays chains of up to chunk requests are posted from.
-func (id *CMID) CreateQP(pd *PD, cq *CQ, want QPCaps, chunk int) (*QP, error) {
+func (id *cmID) CreateQP(pd PD, cq CQ, want QPCaps, chunk int) (QP, error) {
 	bufs, err := newQPBufs(chunk)
 	if err != nil {
 		return nil, err
 	}
 	var caps C.struct_ibv_qp_cap
-	if e := C.rblk_create_qp(id.p, pd.p, cq.p, C.uint32_t(want.SendWR), C.uint32_t(want.RecvWR), C.uint32_t(want.InlineData), &caps); e != 0 {
+	if e := C.rblk_create_qp(id.p, pd.(*protDomain).p, cq.(*compQueue).p, C.uint32_t(want.SendWR), C.uint32_t(want.RecvWR), C.uint32_t(want.InlineData), &caps); e != 0 {
 		C.rblk_free_qp_bufs(bufs)
 		return nil, errnoErr("rdma_create_qp", e)
 	}
@@ -877,8 +333,8 @@ func (id *CMID) CreateQP(pd *PD, cq *CQ, want QPCaps, chunk int) (*QP, error) {
 	return wrapQP(id, C.rblk_id_qp(id.p), bufs, chunk, caps2), nil
 }
 
-func wrapQP(id *CMID, p *C.struct_ibv_qp, bufs *C.struct_rblk_qp_bufs, chunk int, caps QPCaps) *QP {
-	qp := &QP{id: id, p: p, bufs: bufs, chunk: chunk, Caps: caps}
+func wrapQP(id *cmID, p *C.struct_ibv_qp, bufs *C.struct_rblk_qp_bufs, chunk int, caps QPCaps) *queuePair {
+	qp := &queuePair{id: id, p: p, bufs: bufs, caps: caps}
 	qp.send = unsafe.Slice((*WR)(unsafe.Pointer(bufs.send_in)), chunk)
 	qp.recv = unsafe.Slice((*WR)(unsafe.Pointer(bufs.recv_in)), chunk)
 	return qp
@@ -893,106 +349,94 @@ func newQPBufs(chunk int) (*C.struct_rblk_qp_bufs, error) {
 	return bufs, nil
 }
 
-// QP is the queue pair of a CMID.
-type QP struct {
-	id    *CMID
-	p     *C.struct_ibv_qp
-	bufs  *C.struct_rblk_qp_bufs
-	chunk int
-	send  []WR
-	recv  []WR
-	// fake is the state of a QP of NewFakeQP, nil for a real one.
-	fake *fakeQP
-	// Caps are the sizes the device gave.
-	Caps QPCaps
+// queuePair is the QP of a cmID.
+type queuePair struct {
+	id   *cmID // nil for a QP of the test fake (fake.go)
+	p    *C.struct_ibv_qp
+	bufs *C.struct_rblk_qp_bufs
+	send []WR
+	recv []WR
+	caps QPCaps
+	// destroy replaces rdma_destroy_qp for a QP of the test fake.
+	destroy func()
 }
 
-// Num is the QP number.
-func (qp *QP) Num() uint32 { return uint32(C.rblk_qp_num(qp.p)) }
+func (qp *queuePair) Num() uint32   { return uint32(C.rblk_qp_num(qp.p)) }
+func (qp *queuePair) Caps() QPCaps  { return qp.caps }
+func (qp *queuePair) SendBuf() []WR { return qp.send }
+func (qp *queuePair) RecvBuf() []WR { return qp.recv }
 
-// SendBuf is where a chain of up to len(SendBuf()) send requests is built
-// for PostSend. It is C memory; the caller serializes its use.
-func (qp *QP) SendBuf() []WR { return qp.send }
-
-// RecvBuf is SendBuf for receives.
-func (qp *QP) RecvBuf() []WR { return qp.recv }
-
-// PostSend posts SendBuf()[:n] with one ibv_post_send. On failure it
-// returns how many were posted before the one refused.
-func (qp *QP) PostSend(n int) (int, error) {
+func (qp *queuePair) PostSend(n int) (int, error) {
 	if e := C.rblk_post_send(qp.p, qp.bufs, C.int(n)); e != 0 {
 		return int(qp.bufs.send_posted), errnoErr("ibv_post_send", e)
 	}
 	return n, nil
 }
 
-// PostRecv posts RecvBuf()[:n] with one ibv_post_recv.
-func (qp *QP) PostRecv(n int) (int, error) {
+func (qp *queuePair) PostRecv(n int) (int, error) {
 	if e := C.rblk_post_recv(qp.p, qp.bufs, C.int(n)); e != 0 {
 		return int(qp.bufs.recv_posted), errnoErr("ibv_post_recv", e)
 	}
 	return n, nil
 }
 
-// SetMinRNRTimer sets the RNR NAK timer the QP asks its peer to wait
-// (IB encoding: 1 is 0.01 ms, 12 is 0.64 ms, 0 is 655 ms), in RTS.
-func (qp *QP) SetMinRNRTimer(v uint8) error {
+func (qp *queuePair) SetMinRNRTimer(v uint8) error {
 	if e := C.rblk_set_min_rnr_timer(qp.p, C.uint8_t(v)); e != 0 {
 		return errnoErr("ibv_modify_qp min_rnr_timer", e)
 	}
 	return nil
 }
 
-// ToError moves the QP to the error state (ibv_modify_qp IBV_QPS_ERR): the
-// device flushes every work request outstanding, and those posted later.
-func (qp *QP) ToError() error {
-	if qp.fake != nil {
-		return qp.fake.toError()
-	}
+func (qp *queuePair) ToError() error {
 	if e := C.rblk_qp_to_error(qp.p); e != 0 {
 		return errnoErr("ibv_modify_qp IBV_QPS_ERR", e)
 	}
 	return nil
 }
 
-// Destroy is rdma_destroy_qp; it frees the posting arrays.
-func (qp *QP) Destroy() {
+func (qp *queuePair) Destroy() error {
 	if qp.bufs == nil {
-		return
+		return nil
 	}
-	if qp.fake != nil {
-		qp.fake.destroy()
+	if qp.destroy != nil {
+		qp.destroy()
 	} else {
 		C.rdma_destroy_qp(qp.id.p)
 	}
 	C.rblk_free_qp_bufs(qp.bufs)
 	qp.bufs, qp.p, qp.send, qp.recv = nil, nil, nil, nil
+	return nil
 }
 
-// Context is an ibv_context (owned by librdmacm; never closed here).
-type Context struct {
+func (qp *queuePair) PostBindMW(id uint64, mw MW, mr MR, addr, length uint64, access int, rkey uint32) error {
+	w := mw.(*memWindow)
+	if e := C.rblk_post_bind_mw(qp.p, C.uint64_t(id), w.p, mr.(*memRegion).p, C.uint64_t(addr), C.uint64_t(length), C.uint(access), C.uint32_t(rkey)); e != 0 {
+		return errnoErr("ibv_post_send IBV_WR_BIND_MW", e)
+	}
+	w.rkey = rkey
+	return nil
+}
+
+func (qp *queuePair) PostDrain(id uint64) error {
+	if e := C.rblk_post_drain(qp.p, C.uint64_t(id)); e != 0 {
+		return errnoErr("ibv_post_send drain", e)
+	}
+	return nil
+}
+
+func (qp *queuePair) PostLocalInv(id uint64, rkey uint32) error {
+	if e := C.rblk_post_local_inv(qp.p, C.uint64_t(id), C.uint32_t(rkey)); e != 0 {
+		return errnoErr("ibv_post_send IBV_WR_LOCAL_INV", e)
+	}
+	return nil
+}
+
+// devContext is an ibv_context (owned by librdmacm; never closed here).
+type devContext struct {
 	p *C.struct_ibv_context
 }
 
-// DeviceAttr are the limits of a device.
-type DeviceAttr struct {
-	MaxQPWR         int
-	MaxCQE          int
-	MaxSGE          int
-	MaxQPRdAtom     int
-	MaxQPInitRdAtom int
-	MaxMRSize       uint64
-	// MemWindowType2 says the device has type-2 memory windows
-	// (IBV_DEVICE_MEM_WINDOW_TYPE_2A or _2B in device_cap_flags).
-	MemWindowType2 bool
-	// MaxMW is the most memory windows the device has (max_mw).
-	MaxMW int
-	// VendorID is vendor_id (0xffffff for Soft-RoCE).
-	VendorID uint32
-}
-
-// QueryDevice is ibv_query_device.
-func (c *Context) QueryDevice() (DeviceAttr, error) {
+func (c *devContext) QueryDevice() (DeviceAttr, error) {
 	var a C.struct_ibv_device_attr
 	if e := C.ibv_query_device(c.p, &a); e != 0 {
 		return DeviceAttr{}, errnoErr("ibv_query_device", e)
@@ -1010,22 +454,22 @@ func (c *Context) QueryDevice() (DeviceAttr, error) {
 	}, nil
 }
 
-// PD is a protection domain.
-type PD struct {
-	p *C.struct_ibv_pd
-}
+func (c *devContext) NumCompVectors() int { return max(1, int(C.rblk_num_comp_vectors(c.p))) }
 
-// AllocPD is ibv_alloc_pd.
-func (c *Context) AllocPD() (*PD, error) {
+func (c *devContext) AllocPD() (PD, error) {
 	p, err := C.ibv_alloc_pd(c.p)
 	if p == nil {
 		return nil, callErr("ibv_alloc_pd", err)
 	}
-	return &PD{p: p}, nil
+	return &protDomain{p: p}, nil
 }
 
-// Dealloc is ibv_dealloc_pd; every MR and QP on it must be gone.
-func (pd *PD) Dealloc() error {
+// protDomain is a protection domain.
+type protDomain struct {
+	p *C.struct_ibv_pd
+}
+
+func (pd *protDomain) Dealloc() error {
 	if pd.p == nil {
 		return nil
 	}
@@ -1037,25 +481,24 @@ func (pd *PD) Dealloc() error {
 	return nil
 }
 
-// MR is a registered memory region.
-type MR struct {
-	p          *C.struct_ibv_mr
-	LKey, RKey uint32
-}
-
-// RegMR is ibv_reg_mr over [addr, addr+length), which must be memory outside
-// the Go heap that stays mapped until Dereg.
-func (pd *PD) RegMR(addr unsafe.Pointer, length int, access int) (*MR, error) {
+func (pd *protDomain) RegMR(addr unsafe.Pointer, length int, access int) (MR, error) {
 	p, err := C.ibv_reg_mr(pd.p, addr, C.size_t(length), C.int(access))
 	if p == nil {
 		return nil, callErr("ibv_reg_mr", err)
 	}
-	return &MR{p: p, LKey: uint32(p.lkey), RKey: uint32(p.rkey)}, nil
+	return &memRegion{p: p, lkey: uint32(p.lkey), rkey: uint32(p.rkey)}, nil
 }
 
-// Dereg is ibv_dereg_mr. If it fails the MR stays registered (the device
-// may still use its keys) and Dereg may be called again.
-func (mr *MR) Dereg() error {
+// memRegion is a registered memory region.
+type memRegion struct {
+	p          *C.struct_ibv_mr
+	lkey, rkey uint32
+}
+
+func (mr *memRegion) LKey() uint32 { return mr.lkey }
+func (mr *memRegion) RKey() uint32 { return mr.rkey }
+
+func (mr *memRegion) Dereg() error {
 	if mr.p == nil {
 		return nil
 	}
@@ -1066,26 +509,23 @@ func (mr *MR) Dereg() error {
 	return nil
 }
 
-// MW is a type-2 memory window. RKey is its current key: the one of its
-// last bind posted, or the one ibv_alloc_mw gave.
-type MW struct {
-	p    *C.struct_ibv_mw
-	RKey uint32
-}
-
-// AllocMW is ibv_alloc_mw(pd, IBV_MW_TYPE_2). A device without memory
-// windows fails it with EOPNOTSUPP (or ENOSYS).
-func (pd *PD) AllocMW() (*MW, error) {
+func (pd *protDomain) AllocMW() (MW, error) {
 	p, err := C.rblk_alloc_mw(pd.p)
 	if p == nil {
 		return nil, callErr("ibv_alloc_mw", err)
 	}
-	return &MW{p: p, RKey: uint32(p.rkey)}, nil
+	return &memWindow{p: p, rkey: uint32(p.rkey)}, nil
 }
 
-// Dealloc is ibv_dealloc_mw; no work request on the window may be in
-// flight. Safe to call twice.
-func (mw *MW) Dealloc() error {
+// memWindow is a type-2 memory window.
+type memWindow struct {
+	p    *C.struct_ibv_mw
+	rkey uint32
+}
+
+func (mw *memWindow) RKey() uint32 { return mw.rkey }
+
+func (mw *memWindow) Dealloc() error {
 	if mw.p == nil {
 		return nil
 	}
@@ -1096,48 +536,7 @@ func (mw *MW) Dealloc() error {
 	return nil
 }
 
-// IncRKey is ibv_inc_rkey: rkey with its 8 low bits (the key a consumer
-// chooses) incremented.
-func IncRKey(rkey uint32) uint32 { return uint32(C.rblk_inc_rkey(C.uint32_t(rkey))) }
-
-// PostBindMW posts a signaled IBV_WR_BIND_MW with wr_id id, binding mw to
-// the QP over [addr, addr+length) of mr with the remote access flags
-// access, under rkey (IncRKey(mw.RKey)); mw.RKey is rkey once it is posted.
-// It is posted alone, outside SendBuf, and may be called concurrently with
-// PostSend (the provider serializes posts).
-func (qp *QP) PostBindMW(id uint64, mw *MW, mr *MR, addr, length uint64, access int, rkey uint32) error {
-	if e := C.rblk_post_bind_mw(qp.p, C.uint64_t(id), mw.p, mr.p, C.uint64_t(addr), C.uint64_t(length), C.uint(access), C.uint32_t(rkey)); e != 0 {
-		return errnoErr("ibv_post_send IBV_WR_BIND_MW", e)
-	}
-	mw.RKey = rkey
-	return nil
-}
-
-// PostDrain posts a signaled zero-length RDMA WRITE with wr_id id, alone,
-// outside SendBuf: its completion comes after those of everything posted
-// before it, flushed if the QP is in the error state.
-func (qp *QP) PostDrain(id uint64) error {
-	if e := C.rblk_post_drain(qp.p, C.uint64_t(id)); e != 0 {
-		return errnoErr("ibv_post_send drain", e)
-	}
-	return nil
-}
-
-// PostLocalInv posts a signaled IBV_WR_LOCAL_INV of rkey with wr_id id.
-func (qp *QP) PostLocalInv(id uint64, rkey uint32) error {
-	if e := C.rblk_post_local_inv(qp.p, C.uint64_t(id), C.uint32_t(rkey)); e != 0 {
-		return errnoErr("ibv_post_send IBV_WR_LOCAL_INV", e)
-	}
-	return nil
-}
-
-// CompChannel is a completion channel whose fd is non-blocking.
-type CompChannel struct {
-	p *C.struct_ibv_comp_channel
-}
-
-// NewCompChannel is ibv_create_comp_channel, made non-blocking.
-func (c *Context) NewCompChannel() (*CompChannel, error) {
+func (c *devContext) NewCompChannel() (CompChannel, error) {
 	p, err := C.ibv_create_comp_channel(c.p)
 	if p == nil {
 		return nil, callErr("ibv_create_comp_channel", err)
@@ -1146,15 +545,17 @@ func (c *Context) NewCompChannel() (*CompChannel, error) {
 		C.ibv_destroy_comp_channel(p)
 		return nil, fmt.Errorf("completion channel: set non-blocking: %w", err)
 	}
-	return &CompChannel{p: p}, nil
+	return &compChannel{p: p}, nil
 }
 
-// Fd is the channel's fd, readable when a completion event is queued.
-func (ch *CompChannel) Fd() int { return int(ch.p.fd) }
+// compChannel is a completion channel whose fd is non-blocking.
+type compChannel struct {
+	p *C.struct_ibv_comp_channel
+}
 
-// GetEvent consumes one completion event without blocking and reports
-// whether there was one. The caller acknowledges it with CQ.AckEvents.
-func (ch *CompChannel) GetEvent() (bool, error) {
+func (ch *compChannel) Fd() int { return int(ch.p.fd) }
+
+func (ch *compChannel) GetEvent() (bool, error) {
 	r := C.rblk_get_cq_event(ch.p)
 	if r < 0 {
 		return false, errnoErr("ibv_get_cq_event", -r)
@@ -1162,8 +563,7 @@ func (ch *CompChannel) GetEvent() (bool, error) {
 	return r == 1, nil
 }
 
-// Destroy is ibv_destroy_comp_channel; its CQs must be destroyed first.
-func (ch *CompChannel) Destroy() error {
+func (ch *compChannel) Destroy() error {
 	if ch.p == nil {
 		return nil
 	}
@@ -1175,23 +575,7 @@ func (ch *CompChannel) Destroy() error {
 	return nil
 }
 
-// CQ is a completion queue with the buffers Poll fills.
-type CQ struct {
-	p     *C.struct_ibv_cq
-	wc    *C.struct_ibv_wc
-	out   *C.struct_rblk_wc
-	wcs   []WC
-	batch int
-}
-
-// NumCompVectors is the device's num_comp_vectors: the completion vectors
-// (interrupts) a CQ may be created on, at least 1.
-func (c *Context) NumCompVectors() int { return max(1, int(C.rblk_num_comp_vectors(c.p))) }
-
-// NewCQ is ibv_create_cq with cqe entries on channel ch, on completion
-// vector vector (below NumCompVectors). Poll returns up to batch
-// completions per call.
-func (c *Context) NewCQ(cqe int, ch *CompChannel, batch, vector int) (*CQ, error) {
+func (c *devContext) NewCQ(cqe int, ch CompChannel, batch, vector int) (CQ, error) {
 	wc := (*C.struct_ibv_wc)(C.calloc(C.size_t(batch), C.sizeof_struct_ibv_wc))
 	out := (*C.struct_rblk_wc)(C.calloc(C.size_t(batch), C.sizeof_struct_rblk_wc))
 	if wc == nil || out == nil {
@@ -1199,19 +583,25 @@ func (c *Context) NewCQ(cqe int, ch *CompChannel, batch, vector int) (*CQ, error
 		C.free(unsafe.Pointer(out))
 		return nil, errors.New("create CQ: out of memory")
 	}
-	p, err := C.ibv_create_cq(c.p, C.int(cqe), nil, ch.p, C.int(vector))
+	p, err := C.ibv_create_cq(c.p, C.int(cqe), nil, ch.(*compChannel).p, C.int(vector))
 	if p == nil {
 		C.free(unsafe.Pointer(wc))
 		C.free(unsafe.Pointer(out))
 		return nil, callErr("ibv_create_cq", err)
 	}
-	return &CQ{p: p, wc: wc, out: out, wcs: unsafe.Slice((*WC)(unsafe.Pointer(out)), batch), batch: batch}, nil
+	return &compQueue{p: p, wc: wc, out: out, wcs: unsafe.Slice((*WC)(unsafe.Pointer(out)), batch), batch: batch}, nil
 }
 
-// Poll polls up to max completions (at most the batch) into WCs(). With
-// arm set, when there is none it arms the CQ for the next completion and
-// polls once more.
-func (cq *CQ) Poll(max int, arm bool) (int, error) {
+// compQueue is a completion queue with the buffers Poll fills.
+type compQueue struct {
+	p     *C.struct_ibv_cq
+	wc    *C.struct_ibv_wc
+	out   *C.struct_rblk_wc
+	wcs   []WC
+	batch int
+}
+
+func (cq *compQueue) Poll(max int, arm bool) (int, error) {
 	max = min(max, cq.batch)
 	a := C.int(0)
 	if arm {
@@ -1224,8 +614,7 @@ func (cq *CQ) Poll(max int, arm bool) (int, error) {
 	return int(r), nil
 }
 
-// PollSpin polls in C until completions come or budget passes.
-func (cq *CQ) PollSpin(max int, budget time.Duration) (int, error) {
+func (cq *compQueue) PollSpin(max int, budget time.Duration) (int, error) {
 	max = min(max, cq.batch)
 	r := C.rblk_poll_spin(cq.p, cq.wc, cq.out, C.int(max), C.int64_t(budget.Nanoseconds()))
 	if r < 0 {
@@ -1234,19 +623,15 @@ func (cq *CQ) PollSpin(max int, budget time.Duration) (int, error) {
 	return int(r), nil
 }
 
-// WCs is the buffer Poll fills (C memory).
-func (cq *CQ) WCs() []WC { return cq.wcs }
+func (cq *compQueue) WCs() []WC { return cq.wcs }
 
-// AckEvents is ibv_ack_cq_events.
-func (cq *CQ) AckEvents(n int) {
+func (cq *compQueue) AckEvents(n int) {
 	if n > 0 {
 		C.ibv_ack_cq_events(cq.p, C.uint(n))
 	}
 }
 
-// Destroy is ibv_destroy_cq; every event must be acknowledged and the QPs
-// using it destroyed.
-func (cq *CQ) Destroy() error {
+func (cq *compQueue) Destroy() error {
 	if cq.p == nil {
 		return nil
 	}

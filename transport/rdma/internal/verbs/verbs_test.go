@@ -1,4 +1,4 @@
-//go:build linux && cgo && rdma
+//go:build linux && cgo && rdma && rdmacfake
 
 package verbs
 
@@ -15,7 +15,7 @@ import (
 // whatever the other queue's post did meanwhile.
 func TestPostCountsPerQueue(t *testing.T) {
 	const sendOK, recvOK, n = 3, 5, 8
-	qp, err := NewFakeQP(FakeQPConfig{Chunk: n, FailSendAt: sendOK, FailRecvAt: recvOK, PerCall: true, Errno: syscall.EINVAL})
+	qp, err := newFakeQP(fakeQPConfig{Chunk: n, FailSendAt: sendOK, FailRecvAt: recvOK, PerCall: true, Errno: syscall.EINVAL})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,7 +67,7 @@ func TestPostCountsPerQueue(t *testing.T) {
 // TestFakeQPRecords checks the fake itself: what it takes, and the one
 // refusal.
 func TestFakeQPRecords(t *testing.T) {
-	qp, err := NewFakeQP(FakeQPConfig{Chunk: 4, FailSendAt: 5, FailRecvAt: -1, Record: 16})
+	qp, err := newFakeQP(fakeQPConfig{Chunk: 4, FailSendAt: 5, FailRecvAt: -1, Record: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,7 +84,7 @@ func TestFakeQPRecords(t *testing.T) {
 			t.Fatalf("second post: %d, %v; want 1, ENOMEM", k, err)
 		}
 	}
-	sends, _, _ := qp.FakePosted()
+	sends, _ := qp.posted()
 	if len(sends) != 5 || sends[4] != 4 {
 		t.Errorf("posted %v", sends)
 	}
