@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/rdma/internal/verbs"
 )
 
 // SysfsDir is where the kernel lists RDMA devices.
@@ -185,25 +186,14 @@ func NewWithOptions(opts Options) (transport.Provider, error) {
 
 const unsupportedHint = "built without RDMA support: rebuild with -tags rdma (needs libibverbs-dev and librdmacm-dev)"
 
-// ibv_wc_status_str of each ibv_wc_status, for VendorErr.
-var wcStatusText = [...]string{
-	"success", "local length error", "local QP operation error", "local EE context operation error",
-	"local protection error", "Work Request Flushed Error", "memory management operation error",
-	"bad response error", "local access error", "remote invalid request error", "remote access error",
-	"remote operation error", "transport retry counter exceeded", "RNR retry counter exceeded",
-	"local RDD violation error", "remote invalid RD request", "aborted error", "invalid EE context number",
-	"invalid EE context state", "fatal error", "response timeout error", "general error",
-	"TM error", "TM software rendezvous",
-}
-
 // VendorErrString explains the VendorErr of a failed completion of this
 // provider: the ibv_wc_status (in its top 8 bits) as ibv_wc_status_str
 // says it, and the device's vendor_err (the low 24 bits).
 func VendorErrString(v uint32) string {
 	st := v >> 24
-	text := fmt.Sprintf("ibv_wc_status %d", st)
-	if int(st) < len(wcStatusText) {
-		text = wcStatusText[st]
+	text := verbs.StatusString(st)
+	if text == "unknown" {
+		text = fmt.Sprintf("ibv_wc_status %d", st)
 	}
 	return fmt.Sprintf("%s (vendor_err %#x)", text, v&0xffffff)
 }
