@@ -178,7 +178,7 @@ func doctorWithRDMA(t *testing.T) {
 	if r.code != 0 || len(neededFailures(checks)) > 0 {
 		t.Errorf("rblk-attach doctor --transport rdma --device %s --target: exit %d, needed failures %v\n%s", device, r.code, neededFailures(checks), r)
 	}
-	for _, name := range []string{"rdma devices", "rdma support in this build", "target"} {
+	for _, name := range []string{"rdma-core libraries", "rdma devices", "rdma port", "target"} {
 		if c := findCheck(t, checks, name); !c.OK || !c.Needed {
 			t.Errorf("rblk-attach doctor --transport rdma: check %q: %+v, want a needed check that passes", name, c)
 		}
