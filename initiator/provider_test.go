@@ -21,3 +21,12 @@ func testProvider(t *testing.T) (transport.Provider, string) {
 	}
 	return tcp.New("tcp"), "127.0.0.1:0"
 }
+
+// tcpOnly skips t over rdma (RBLK_INITIATOR_TRANSPORT=rdma), saying why: for
+// a test whose fault is made of the software transport's TCP.
+func tcpOnly(t *testing.T, why string) {
+	t.Helper()
+	if os.Getenv("RBLK_INITIATOR_TRANSPORT") == "rdma" {
+		t.Skip("NOT APPLICABLE over rdma: tcp-only: " + why)
+	}
+}
