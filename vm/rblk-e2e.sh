@@ -782,21 +782,26 @@ verdict() {
 # the userspace clients, then the kernel's /dev/nbdN), RBLK_E2E_REQUIRE=1:
 # nothing skips for a missing tool, and tests that cannot run over rdma or
 # on a device say why (NOT APPLICABLE). RBLK_VM_E2E_RUN (-test.run) picks
-# tests. Output and every process's log in logs/e2e/DEVICE/.
+# tests, RBLK_VM_E2E_SKIP (-test.skip) leaves tests out, said in the
+# summary (the test command leaves out there what the soak runs on the same
+# kernel, for time), RBLK_VM_E2E_PARALLEL is -test.parallel (default 4:
+# the tests mostly wait, on keepalives, slow disks and restarts).
+# Output and every process's log in logs/e2e/DEVICE/.
 scen_e2e() {
-	local d out rc failed=''
+	local d out rc failed='' skip=()
+	[ -z "${RBLK_VM_E2E_SKIP:-}" ] || skip=(-test.skip "$RBLK_VM_E2E_SKIP")
 	[ -x "$BIN/e2e.test" ] || fail "no e2e.test beside the binaries"
 	[[ " ${RBLK_VM_E2E_DEVICES:-socket nbd} " == *" nbd "* ]] ||
 		echo "device nbd: not on this kernel (RBLK_VM_E2E_DEVICES=$RBLK_VM_E2E_DEVICES)" | tee -a "$BIN/e2e-summary.txt"
 	for d in ${RBLK_VM_E2E_DEVICES:-socket nbd}; do
 		out=$BIN/logs/e2e/$d
 		mkdir -p "$out/procs"
-		step "e2e suite over rdma ($IP), device $d: e2e.test -test.run '${RBLK_VM_E2E_RUN:-.}'"
+		step "e2e suite over rdma ($IP), device $d: e2e.test -test.run '${RBLK_VM_E2E_RUN:-.}'${skip[*]:+ -test.skip '$RBLK_VM_E2E_SKIP'}"
 		rc=0
 		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
 			RBLK_E2E_LOG_DIR=$out/procs gotest "$out/e2e-test.log" "$BIN/e2e.test" -test.timeout=30m \
-			-test.run "${RBLK_VM_E2E_RUN:-.}" || rc=$?
-		verdict "e2e over rdma, device $d" "$out/e2e-test.log" "$rc" "$out/procs" strict >"$out/verdict.txt" || failed+="$d "
+			-test.parallel "${RBLK_VM_E2E_PARALLEL:-4}" -test.run "${RBLK_VM_E2E_RUN:-.}" "${skip[@]}" || rc=$?
+		verdict "e2e over rdma, device $d${skip[*]:+ (left out: $RBLK_VM_E2E_SKIP)}" "$out/e2e-test.log" "$rc" "$out/procs" strict >"$out/verdict.txt" || failed+="$d "
 		tee -a "$BIN/e2e-summary.txt" <"$out/verdict.txt"
 		sed -n '/^e2e: [0-9]* tests not applicable/,$p' "$out/e2e-test.log" | grep -E '^(e2e: |  Test)' | cut -c1-220 || true
 	done
