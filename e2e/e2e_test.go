@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -145,6 +146,12 @@ func TestQemuIO(t *testing.T) {
 				{kind: 'w', pattern: 0x55, off: size - 100, n: 100}, // the last bytes
 				{kind: 'r', pattern: 0x55, off: size - 100, n: 100},
 				{kind: 'f'},
+			}
+			if at.dev != "" {
+				// A block device takes a discard in whole logical blocks
+				// only (BLKDISCARD: EINVAL): the unaligned discard is
+				// the socket run's.
+				ops = slices.DeleteFunc(ops, func(o qop) bool { return o.kind == 'd' && (o.off%4096 != 0 || o.n%4096 != 0) })
 			}
 			for _, o := range ops {
 				o.apply(want)

@@ -467,7 +467,13 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 		args := []string{"attach", "--transport", e2eTransport(), "--target", tg.addr, "--export", export, "--metrics-listen", metrics}
 		if e2e.device == "nbd" {
-			args = append(args, "--device", "auto")
+			// As many kernel sockets as queues (--queues, else one), as an
+			// NBD client on the socket has: one session per queue.
+			conns := "1"
+			if i := slices.Index(extra, "--queues"); i >= 0 && i+1 < len(extra) {
+				conns = extra[i+1]
+			}
+			args = append(args, "--device", "auto", "--connections", conns)
 		} else {
 			args = append(args, "--nbd-listen", "unix:"+sock)
 		}
