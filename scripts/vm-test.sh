@@ -39,10 +39,15 @@
 #                                          # DIR/rblk-attach (an older build)
 #   RBLK_VM_BENCH_KERNELS=6.12 ...         # the bench scenario on 6.12 only
 #                                          # (the others skip it, and say so)
-#   RBLK_VM_E2E_KERNELS=6.12 ...           # the e2e scenario's device runs
-#                                          # (RBLK_VM_E2E_DEVICES) on 6.12
-#                                          # only; the others run the socket
-#                                          # device alone, and say so
+#   RBLK_VM_E2E_PLAN="6.1:socket 6.12:nbd" ...
+#                                          # the e2e suite on the NBD socket
+#                                          # on 6.1, on /dev/nbdN on 6.12
+#                                          # (6.1:socket,nbd: both; a kernel
+#                                          # not named: RBLK_VM_E2E_DEVICES);
+#                                          # RBLK_VM_E2E_SKIP_KERNELS="6.12:RE"
+#                                          # is -test.skip RE on 6.12
+#   RBLK_VM_SOAK_KERNELS=6.12 ...          # the soak on 6.12 only (the
+#                                          # others skip it, and say so)
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, RBLK_VM_HOG, RBLK_VM_E2E_DEVICES, RBLK_VM_E2E_RUN,
 # RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_E2E_RUN,
@@ -135,9 +140,17 @@ run_kernel() {
 	if [ -n "${RBLK_VM_BENCH_KERNELS:-}" ] && [[ " $RBLK_VM_BENCH_KERNELS " != *" $k "* ]]; then
 		echo 'export RBLK_VM_SKIP_SCENARIOS=bench' >>"$art/env.sh"
 	fi
-	if [ -n "${RBLK_VM_E2E_KERNELS:-}" ] && [[ " $RBLK_VM_E2E_KERNELS " != *" $k "* ]]; then
-		echo 'export RBLK_VM_E2E_DEVICES=socket' >>"$art/env.sh"
+	if [ -n "${RBLK_VM_SOAK_KERNELS:-}" ] && [[ " $RBLK_VM_SOAK_KERNELS " != *" $k "* ]]; then
+		echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} soak\"" >>"$art/env.sh"
 	fi
+	# The e2e suite's devices and left-out tests on this kernel.
+	local p v
+	for p in ${RBLK_VM_E2E_PLAN:-}; do
+		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_DEVICES=%q\n' "${v//,/ }" >>"$art/env.sh"; }
+	done
+	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
+		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
 	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((1500 + 900 * ${RBLK_VM_SOAK_RUNS:-1}))} \
 		RBLK_VM_MEM=${RBLK_VM_MEM:-3G} vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
