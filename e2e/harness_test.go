@@ -415,6 +415,11 @@ func serveArgs(addr, metrics string, exports, extra []string) []string {
 		// (the address is the guest's own, reached by nothing else)
 		args = append(args, "--allow-unauthenticated")
 	}
+	if !slices.Contains(extra, "--admin-socket") && !slices.Contains(extra, "--config") {
+		// Not the machine's /run/rblk/rblkd.sock (as root): a test that
+		// wants an admin socket names its own, here or in its --config.
+		args = append(args, "--admin-socket", "")
+	}
 	return append(args, extra...)
 }
 

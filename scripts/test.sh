@@ -206,19 +206,18 @@ if [ "${RBLK_SKIP_VM:-0}" = 1 ]; then
 	warn "RBLK_SKIP_VM=1: the test on a real kernel RDMA stack is left out"
 else
 	# For time, each kernel runs part of what costs most under emulation:
-	# 6.1 (Debian 12's) the e2e suite over rdma on the NBD socket, but for
-	# its fault tests, which run in the soak (one run, under a CPU hog,
-	# with the target's and the initiator's tests over rdma); 6.12 the
-	# e2e suite over rdma on /dev/nbdN with its fault tests, and the fio
-	# table (bench), the kernel with every column (ublk too). Both leave
-	# out TestAllocsPerIO (6 minutes under emulation; the soak's
-	# TestSubmitAllocs measures the same path over rdma in process). The
-	# bench's "nbd null" floor: the 4k QD1 and QD32 jobs only. (make
-	# bench: all of it; RBLK_VM_SOAK_RUNS=3 RBLK_VM_SOAK_KERNELS= ...: the
-	# soak three times on both.)
+	# 6.1 (Debian 12's) the e2e suite over rdma on the NBD socket but for
+	# its fault tests, which run in its soak (the target's, the
+	# initiator's and the e2e fault tests over rdma, one run under a CPU
+	# hog); 6.12 the e2e suite over rdma on /dev/nbdN with its fault
+	# tests, the soak, and the fio table (bench), the kernel with every
+	# column (ublk too). Both leave out TestAllocsPerIO (6 minutes under
+	# emulation; the soak's TestSubmitAllocs measures the same path over
+	# rdma in process). The bench's "nbd null" floor: the 4k QD1 and QD32
+	# jobs only. (make bench: all of it; RBLK_VM_SOAK_RUNS=3: the soak
+	# three times in a row.)
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, beside NVMe-oF RDMA (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-6.12}" \
-		RBLK_VM_SOAK_KERNELS="${RBLK_VM_SOAK_KERNELS-6.1}" \
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
 		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|TestFault 6.12:TestAllocsPerIO}" \
 		BENCH_NULL_JOBS="${BENCH_NULL_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh

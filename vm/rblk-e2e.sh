@@ -817,14 +817,16 @@ scen_e2e() {
 # tests (RBLK_VM_SOAK_E2E_RUN, default ^TestFault) over rxe0
 # (RBLK_VM_SOAK_SUITES picks among target initiator e2e). A failure names
 # the run and the tests; a panic or a data race anywhere (a test's output or
-# any rblkd or rblk-attach log) fails it too. Logs in logs/soak/run-N/;
-# soak-summary.txt.
+# any rblkd or rblk-attach log) fails it too. Logs in logs/soak/run-N/
+# (each suite's output, the e2e tests' process logs, the run's part of the
+# kernel log); soak-summary.txt.
 scen_soak() {
-	local runs=${RBLK_VM_SOAK_RUNS:-1} r suite out rc failed='' bin t0 procs strict
+	local runs=${RBLK_VM_SOAK_RUNS:-1} r suite out rc failed='' bin t0 procs strict k0
 	: >"$BIN/soak-summary.txt"
 	for r in $(seq 1 "$runs"); do
 		out=$BIN/logs/soak/run-$r
 		mkdir -p "$out"
+		k0=$(dmesg | wc -l)
 		if [ "${RBLK_VM_HOG:-1}" = 1 ]; then
 			hog_start
 			pids+=("${HOG_PIDS[@]}")
@@ -852,6 +854,7 @@ scen_soak() {
 			tee -a "$BIN/soak-summary.txt" <"$out/$suite-verdict.txt"
 		done
 		hog_stop
+		dmesg | tail -n +$((k0 + 1)) >"$out/kernel.log" # (this run's part of the kernel log)
 	done
 	[ -z "$failed" ] || fail "soak: $failed(soak-summary.txt, logs/soak/run-N/)"
 	echo "soak: $runs run(s) passed"
