@@ -841,8 +841,11 @@ type grantHog struct {
 	holding  chan struct{}
 }
 
-func startGrantHog(t *testing.T, p transport.Provider, addr, export string, chunkSize, chunks int) *grantHog {
+// startGrantHog starts a grant hog of export at addr over the run's
+// transport (testProvider).
+func startGrantHog(t *testing.T, addr, export string, chunkSize, chunks int) *grantHog {
 	t.Helper()
+	p := testProvider(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	h := &grantHog{cancel: cancel, holding: make(chan struct{})}
 	h.wg.Add(1)
@@ -950,7 +953,7 @@ func TestFaultGrantHog(t *testing.T) {
 		t.Fatal(err)
 	}
 	tg := startTarget(t, []string{"vol=" + backing + ",shared"}, "--chunk-size", "64K", "--cache-size", "256K")
-	hog := startGrantHog(t, testProvider(t), tg.addr, "vol", chunk, 4)
+	hog := startGrantHog(t, tg.addr, "vol", chunk, 4)
 	at := startAttach(t, tg, "vol")
 	nc := dialNBD(t, at.sock, "vol")
 	const bound = 3 * time.Second
