@@ -98,8 +98,8 @@ func TestReloadUnderIO(t *testing.T) {
 	// c's data: written through its attach, not flushed by a FUA.
 	qemuIO(t, atC.uri("c"), []qop{{kind: 'w', off: 0, n: 1 << 20, pattern: 0x5c}, {kind: 'w', off: 3 << 20, n: 64 << 10, pattern: 0xc5}})
 
-	fio := startFio(t, "--name=under-reload", "--ioengine=nbd", "--uri="+atA.uri("a"), "--rw=randwrite", "--bs=4k",
-		"--iodepth=8", "--size=24M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0")
+	fio := startFio(t, append(append([]string{"--name=under-reload"}, fioTarget(atA.uri("a"))...), "--rw=randwrite", "--bs=4k",
+		"--iodepth=8", "--size=24M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0")...)
 	// Reload once fio's writes are going through.
 	waitMetric(t, atA.metrics, "rblk_attach_rdma_ops_total", func(v float64) bool { return v >= 200 }, ">= 200")
 	writeConfig(t, cfg, settings, a, b)
@@ -194,13 +194,15 @@ func TestConfigRefusedAtStart(t *testing.T) {
 			t.Errorf("%s: rblkd serve: %s\nwant a failure naming %q", c.name, r, path+c.want)
 		}
 	}
-	// The file says rdma (no device here): --transport tcp on the command
-	// line wins, and the export comes from the file.
+	// The file says the other transport (rdma: no device on the build
+	// machine): --transport on the command line wins, and the export comes
+	// from the file.
+	other := map[string]string{"tcp": "rdma", "rdma": "tcp"}[e2eTransport()]
 	path := filepath.Join(dir, "ok.yaml")
-	writeConfig(t, path, "transport: rdma\nadmin_socket: \"\"\n", [3]string{"v", img, "4M"})
+	writeConfig(t, path, "transport: "+other+"\nadmin_socket: \"\"\n", [3]string{"v", img, "4M"})
 	tg := startTarget(t, nil, "--config", path)
-	if !strings.Contains(tg.out.String(), `"transport": "tcp`) {
-		t.Errorf("--transport tcp did not override the file's rdma:\n%s", tg.out.String())
+	if !strings.Contains(tg.out.String(), `"transport": "`+e2eTransport()) {
+		t.Errorf("--transport %s did not override the file's %s:\n%s", e2eTransport(), other, tg.out.String())
 	}
 	if st, err := os.Stat(img); err != nil || st.Size() != 4<<20 {
 		t.Errorf("the file's export was not created: %v", err)

@@ -83,9 +83,15 @@ func hasNBD() bool {
 // TestDoctorRDMA: on this machine (no RDMA device, no nbd module, binaries
 // built without -tags rdma) the doctors asked for --transport rdma (and
 // --device nbd) exit non-zero and name the missing RDMA device and nbd
-// module with their fixes, in the table and in --json.
+// module with their fixes, in the table and in --json. Over rdma (a device,
+// binaries built with -tags rdma: the guest of vm/) it is the other way
+// round: doctorWithRDMA.
 func TestDoctorRDMA(t *testing.T) {
 	t.Parallel()
+	if e2e.transport == "rdma" {
+		doctorWithRDMA(t)
+		return
+	}
 	dir := t.TempDir()
 	img := filepath.Join(dir, "vol.img")
 	listen := fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -144,12 +150,54 @@ func TestDoctorRDMA(t *testing.T) {
 	}
 }
 
+// doctorWithRDMA: where the RDMA stack is there (RBLK_E2E_TRANSPORT=rdma),
+// rblkd doctor --transport rdma on the address of the run and rblk-attach
+// doctor --transport rdma --target against a running rblkd pass every
+// needed check (exit 0), the RDMA device and this build's rdma support
+// among them; with RBLK_E2E_DEVICE=nbd, --device nbd's checks too.
+func doctorWithRDMA(t *testing.T) {
+	t.Helper()
+	dir := t.TempDir()
+	img := filepath.Join(dir, "vol.img")
+	tg := startTarget(t, []string{"vol=" + img + ",size=4M"})
+	checks, r := runDoctor(t, rblkdBin, "--transport", "rdma", "--listen", hostPort(freePort(t)), "--allow-unauthenticated",
+		"--export", "vol="+filepath.Join(dir, "other.img")+",size=1M", "--cache-size", "16M")
+	if r.code != 0 || len(neededFailures(checks)) > 0 {
+		t.Errorf("rblkd doctor --transport rdma with an RDMA device: exit %d, needed failures %v\n%s", r.code, neededFailures(checks), r)
+	}
+	for _, name := range []string{"rdma devices", "listen"} {
+		if c := findCheck(t, checks, name); !c.OK || !c.Needed {
+			t.Errorf("rblkd doctor --transport rdma: check %q: %+v, want a needed check that passes", name, c)
+		}
+	}
+	device := "none"
+	if e2e.device == "nbd" {
+		device = "nbd"
+	}
+	checks, r = runDoctor(t, attachBin, "--transport", "rdma", "--device", device, "--host-id", "e2e-doctor", "--target", tg.addr)
+	if r.code != 0 || len(neededFailures(checks)) > 0 {
+		t.Errorf("rblk-attach doctor --transport rdma --device %s --target: exit %d, needed failures %v\n%s", device, r.code, neededFailures(checks), r)
+	}
+	for _, name := range []string{"rdma-core libraries", "rdma devices", "rdma port", "target"} {
+		if c := findCheck(t, checks, name); !c.OK || !c.Needed {
+			t.Errorf("rblk-attach doctor --transport rdma: check %q: %+v, want a needed check that passes", name, c)
+		}
+	}
+	if device == "nbd" {
+		if c := findCheck(t, checks, "nbd module"); !c.OK || !c.Needed {
+			t.Errorf("rblk-attach doctor --device nbd: %+v, want a needed check that passes", c)
+		}
+	}
+	tg.stop(t, stopTimeout)
+}
+
 // TestDoctorTCP: where nothing of RDMA is needed, the doctors pass (exit
 // 0) against a running rblkd: rblkd doctor knows its port is served by
 // rblkd, rblk-attach doctor reaches it, and the secret and auth files are
 // private.
 func TestDoctorTCP(t *testing.T) {
 	t.Parallel()
+	onlyTransport(t, "tcp", "the doctors' checks for --transport tcp; TestDoctorRDMA has those of rdma")
 	dir := t.TempDir()
 	img := filepath.Join(dir, "vol.img")
 	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {

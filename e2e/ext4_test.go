@@ -14,7 +14,8 @@ import (
 )
 
 // fuseLoop is an NBD export shown as a file by nbdfuse, with a loop device
-// over that file.
+// over that file; or, with RBLK_E2E_DEVICE=nbd, the kernel's /dev/nbdN
+// that rblk-attach attached (no nbdfuse, no loop device: dev is it).
 type fuseLoop struct {
 	t        *testing.T
 	dir      string // nbdfuse's mount point; the export is dir/nbd
@@ -23,12 +24,18 @@ type fuseLoop struct {
 	mnt      string // where dev is mounted, if it is
 	once     sync.Once
 	fuseDown bool
+	kernel   bool // dev is rblk-attach's /dev/nbdN
 }
 
 // attachFuseLoop runs nbdfuse on uri and sets up a loop device over its
 // file. A cleanup tears everything down if the test does not.
 func attachFuseLoop(t *testing.T, uri string, readOnly bool) *fuseLoop {
 	t.Helper()
+	if strings.HasPrefix(uri, "/dev/") {
+		f := &fuseLoop{t: t, dev: uri, kernel: true}
+		t.Cleanup(f.teardown)
+		return f
+	}
 	f := &fuseLoop{t: t, dir: t.TempDir()}
 	mp := filepath.Join(f.dir, "mnt")
 	if err := os.Mkdir(mp, 0o755); err != nil {
@@ -89,6 +96,10 @@ func (f *fuseLoop) unmount() {
 func (f *fuseLoop) detach() {
 	f.t.Helper()
 	f.unmount()
+	if f.kernel {
+		f.dev = "" // (rblk-attach detaches it when it stops)
+		return
+	}
 	if f.dev != "" {
 		mustRun(f.t, cmdTimeout, "losetup", "-d", f.dev)
 		f.dev = ""
@@ -125,6 +136,9 @@ func (f *fuseLoop) teardown() {
 				runCmd(f.t, cmdTimeout, "umount", "-l", f.mnt)
 			}
 		}
+		if f.kernel {
+			return
+		}
 		if f.dev != "" {
 			runCmd(f.t, cmdTimeout, "losetup", "-d", f.dev)
 		}
@@ -143,9 +157,10 @@ func (f *fuseLoop) teardown() {
 }
 
 // TestExt4OverNbdfuse makes an ext4 file system on the export through
-// nbdfuse and a loop device, writes files, stops everything, checks the
-// backing file with e2fsck, then starts everything again (read-only) and
-// checks every file's checksum.
+// nbdfuse and a loop device (with RBLK_E2E_DEVICE=nbd: on the kernel's
+// /dev/nbdN itself), writes files, stops everything, checks the backing
+// file with e2fsck, then starts everything again (read-only) and checks
+// every file's checksum.
 func TestExt4OverNbdfuse(t *testing.T) {
 	t.Parallel()
 	needTools(t, "nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck", "mount", "umount")

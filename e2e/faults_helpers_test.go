@@ -179,18 +179,14 @@ func (d *slowDisk) readReal(t *testing.T) []byte {
 }
 
 // startTargetOn starts rblkd on addr (a restart on the address initiators
-// know) and waits until it accepts; the port may take a moment to be free.
+// know), on this run's transport as startTarget does, and waits until its
+// /metrics answers; the port may take a moment to be free.
 func startTargetOn(t *testing.T, addr string, exports []string, extra ...string) *target {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-		args := []string{"serve", "--transport", "tcp", "--listen", addr, "--metrics-listen", metrics}
-		for _, e := range exports {
-			args = append(args, "--export", e)
-		}
-		args = append(args, extra...)
-		p := startProc(t, "rblkd", rblkdBin, args...)
+		p := startProc(t, "rblkd", rblkdBin, serveArgs(addr, metrics, exports, extra)...)
 		tg := &target{proc: p, addr: addr, metrics: metrics}
 		err := waitUntil(p, 20*time.Second, func() bool { return httpOK("http://" + metrics + "/metrics") })
 		if err == nil {
@@ -254,6 +250,10 @@ func (n *nbdClient) send(typ uint16, off uint64, payload []byte) (uint64, error)
 // sendLen is send with the request's length given: a READ has no payload.
 func (n *nbdClient) sendLen(typ uint16, off uint64, length uint32, payload []byte) (uint64, error) {
 	n.handle++
+	if n.dev != nil {
+		n.dev.start(n.handle, typ, off, length, payload)
+		return n.handle, nil
+	}
 	req := nbdRequest(n.handle, typ, off, length, payload)
 	n.c.SetWriteDeadline(time.Now().Add(30 * time.Second))
 	defer n.c.SetWriteDeadline(time.Time{})
@@ -264,6 +264,9 @@ func (n *nbdClient) sendLen(typ uint16, off uint64, length uint32, payload []byt
 }
 
 func (n *nbdClient) recv(timeout time.Duration) (handle uint64, errno uint32, err error) {
+	if n.dev != nil {
+		return n.dev.recv(timeout)
+	}
 	n.c.SetReadDeadline(time.Now().Add(timeout))
 	defer n.c.SetReadDeadline(time.Time{})
 	var hdr [16]byte

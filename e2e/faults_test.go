@@ -3,11 +3,9 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -24,7 +22,6 @@ import (
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport"
-	"github.com/rblk/rblk/transport/tcp"
 )
 
 // The fault tests of "Nothing lost, nothing hangs": real rblkd and
@@ -471,6 +468,47 @@ func verifyFile(t *testing.T, file string, job ...string) {
 	}
 }
 
+// silenceTarget is a link fault over rdma: once rblkd has taken after more
+// bytes of writes (or fio ended: false), rblkd is stopped with SIGSTOP
+// until at's keepalive declares the link dead (its rblk_attach_target_sessions
+// drops to 0), then resumed; it returns once at has reconnected.
+func silenceTarget(t *testing.T, tg *target, at *attacher, fio *fioRun, after int64) bool {
+	t.Helper()
+	w0 := metric(t, tg.metrics, "rblkd_written_bytes_total")
+	pollUntil(t, 60*time.Second, fmt.Sprintf("rblkd taking %d more bytes of writes", after), func() bool {
+		v, _ := metricSum(scrapeQuiet(tg.metrics), "rblkd_written_bytes_total")
+		return v >= w0+float64(after) || fio.exited()
+	})
+	if fio.exited() {
+		return false
+	}
+	r0 := metric(t, at.metrics, "rblk_attach_reconnects_total")
+	if err := tg.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatalf("SIGSTOP rblkd: %v", err)
+	}
+	start := time.Now()
+	var down bool
+	func() {
+		// (resumed whatever happens: a stopped rblkd takes no SIGTERM)
+		defer tg.cmd.Process.Signal(syscall.SIGCONT)
+		down = waitUntil(at.proc, 60*time.Second, func() bool {
+			v, ok := metricSum(scrapeQuiet(at.metrics), "rblk_attach_target_sessions")
+			return ok && v == 0
+		}) == nil
+	}()
+	if !down {
+		t.Fatalf("rblkd silent (SIGSTOP) for %v: rblk-attach did not declare the link dead\n%s", time.Since(start).Round(time.Millisecond), at.out.String())
+	}
+	t.Logf("rblkd silent for %v after %d more bytes: rblk-attach declared the link dead; rblkd resumed", time.Since(start).Round(time.Millisecond), after)
+	if err := waitUntil(at.proc, 60*time.Second, func() bool {
+		v, _ := metricSum(scrapeQuiet(at.metrics), "rblk_attach_reconnects_total")
+		return v > r0
+	}); err != nil {
+		t.Fatalf("rblk-attach did not reconnect to the resumed rblkd: %v", err)
+	}
+	return true
+}
+
 // viaProxy is the target as rblk-attach sees it through the proxy.
 func viaProxy(tg *target, px *faultproxy.Proxy) *target {
 	return &target{proc: tg.proc, addr: px.Addr(), metrics: tg.metrics}
@@ -480,40 +518,59 @@ func viaProxy(tg *target, px *faultproxy.Proxy) *target {
 // (TCP RST both ways, through the proxy) at seeded random points while fio
 // writes with crc32c verification through rblk-attach: rblk-attach
 // reconnects and redoes the IO, fio's verification passes, and the backing
-// file holds what fio wrote.
+// file holds what fio wrote. Over rdma, where no proxy can sit in the path,
+// the fault is a silent target instead: rblkd stopped (SIGSTOP) until
+// rblk-attach's keepalive (2 s) declared the link dead, then resumed; the
+// same rblkd process comes back, so nothing acknowledged may be lost.
 func TestFaultLinkReset(t *testing.T) {
 	t.Parallel()
 	needTools(t, "fio")
 	rng := faultSeed(t)
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=32M"})
-	px := startProxy(t, tg.addr)
-	at := startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-link-reset"), "--reconnect-timeout", "60s")...)
 	job := []string{"--rw=randwrite", "--bs=16k", "--size=32M", "--verify=crc32c"}
-	fio := startFio(t, append([]string{"--name=rblk", "--ioengine=nbd", "--uri=" + at.uri("vol"), "--iodepth=16",
-		"--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)
+	var at *attacher
+	var fio *fioRun
+	// inject waits for the moment of fault i and injects it; false: fio
+	// ended first.
+	var inject func(i int) bool
+	if e2e.transport == "tcp" {
+		px := startProxy(t, tg.addr)
+		at = startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-link-reset"), "--reconnect-timeout", "60s")...)
+		inject = func(i int) bool {
+			c, err := px.WaitConn(ctxFor(t, 60*time.Second), i)
+			if err != nil {
+				t.Fatal(err)
+			}
+			after := int64(512<<10 + rng.IntN(4<<20))
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			err = c.WaitFor(ctx, func(s faultproxy.Stats) bool {
+				return s.Received[faultproxy.ClientToServer] >= after || fio.exited()
+			})
+			cancel()
+			if fio.exited() {
+				return false
+			}
+			if err != nil {
+				t.Fatalf("connection %d: %v", i, err)
+			}
+			c.Reset()
+			t.Logf("reset connection %d after %d bytes from rblk-attach", i, after)
+			return true
+		}
+	} else {
+		at = startAttach(t, tg, "vol", append(newFlags("--host-id", "e2e-link-reset", "--keepalive-timeout", "2s"), "--reconnect-timeout", "60s")...)
+		inject = func(i int) bool { return silenceTarget(t, tg, at, fio, int64(512<<10+rng.IntN(4<<20))) }
+	}
+	fio = startFio(t, append(append([]string{"--name=rblk"}, fioTarget(at.uri("vol"))...), append([]string{"--iodepth=16",
+		"--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)...)
 
 	resets := 0
 	for i := range 5 {
-		c, err := px.WaitConn(ctxFor(t, 60*time.Second), i)
-		if err != nil {
-			t.Fatal(err)
-		}
-		after := int64(512<<10 + rng.IntN(4<<20))
-		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-		err = c.WaitFor(ctx, func(s faultproxy.Stats) bool {
-			return s.Received[faultproxy.ClientToServer] >= after || fio.exited()
-		})
-		cancel()
-		if fio.exited() {
+		if !inject(i) {
 			break
 		}
-		if err != nil {
-			t.Fatalf("connection %d: %v", i, err)
-		}
-		c.Reset()
 		resets++
-		t.Logf("reset connection %d after %d bytes from rblk-attach", i, after)
 	}
 	res := fio.wait(t)
 	if resets == 0 {
@@ -551,6 +608,7 @@ func TestFaultLinkReset(t *testing.T) {
 // is tolerated once, then it must succeed) the backing file must hold it.
 func TestFaultLinkResetLosesDone(t *testing.T) {
 	t.Parallel()
+	onlyTransport(t, "tcp", "the proxy holds back one direction of one connection between two frames; nothing outside the processes can do that to an RDMA path (the verbs provider's failpoints inject DISCONNECTED in the middle of IO instead)")
 	const blk = 9
 	off := uint64(blk * blockSize)
 	backing, tg, px, at, nc := proxiedBlock(t, "e2e-lost-done", blk)
@@ -619,7 +677,8 @@ func TestFaultLinkResetLosesDone(t *testing.T) {
 
 // TestFaultLinkStall makes the links between two rblk-attach processes and
 // rblkd silent (the proxy stops forwarding and keeps the sockets open;
-// connections made later are stalled too). Both run with
+// connections made later are stalled too; over rdma rblkd is stopped with
+// SIGSTOP: see faultLink). Both run with
 // --keepalive-timeout 2s and --reconnect-timeout 3s. On the first a read
 // must fail with EIO within 15 s, never hang. The second, with unflushed
 // writes, gets SIGTERM as the link stalls: it must exit within 15 s.
@@ -627,10 +686,10 @@ func TestFaultLinkStall(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=4M,shared"}, "--chunk-size", "64K")
-	px := startProxy(t, tg.addr)
+	link := startFaultLink(t, tg)
 	flags := append(newFlags("--keepalive-timeout", "2s"), "--reconnect-timeout", "3s")
-	reader := startAttach(t, viaProxy(tg, px), "vol", flags...)
-	quitter := startAttach(t, viaProxy(tg, px), "vol", flags...)
+	reader := startAttach(t, link.target(), "vol", flags...)
+	quitter := startAttach(t, link.target(), "vol", flags...)
 	nc := dialNBD(t, reader.sock, "vol")
 	data := randomBytes(5, 64<<10)
 	nc.mustWrite(t, 0, data)
@@ -644,21 +703,27 @@ func TestFaultLinkStall(t *testing.T) {
 	nq.mustWrite(t, 1<<20, data) // not flushed
 	nq.close()
 
-	px.StallAll()
+	link.stallAll(t)
 	t.Logf("links stalled")
 	if err := quitter.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("SIGTERM rblk-attach: %v", err)
 	}
 	start := time.Now()
-	if _, err := nc.sendLen(nbdCmdRead, 4096, 4096, nil); err != nil {
+	// Over rdma a chunk the reader holds a grant of is read by an RDMA
+	// READ, which the RDMA device serves without rblkd running: a stopped
+	// rblkd is a dead link only for what needs rblkd. So there the read is
+	// of a chunk the reader holds no grant of (3 MiB): it needs rblkd.
+	readAt := uint64(4096)
+	if e2e.transport == "rdma" {
+		readAt = 3 << 20
+	}
+	if _, err := nc.sendLen(nbdCmdRead, readAt, 4096, nil); err != nil {
 		t.Fatal(err)
 	}
 	// The reply's header; a successful read's data would follow.
-	nc.c.SetReadDeadline(time.Now().Add(15 * time.Second))
-	var hdr [16]byte
-	_, err := io.ReadFull(nc.c, hdr[:])
+	_, errno, err := nc.recv(15 * time.Second)
 	el := time.Since(start)
-	switch errno := binary.BigEndian.Uint32(hdr[4:8]); {
+	switch {
 	case err != nil:
 		t.Errorf("a read on a stalled link got no reply within %v (%v): it hangs", el.Round(time.Millisecond), err)
 	case errno == 0:
@@ -679,7 +744,7 @@ func TestFaultLinkStall(t *testing.T) {
 	case <-time.After(15*time.Second - time.Since(start)):
 		t.Errorf("rblk-attach did not exit within 15s of SIGTERM with the link stalled")
 	}
-	px.ResumeAll()
+	link.resumeAll(t)
 	tg.stop(t, stopTimeout)
 }
 
@@ -692,6 +757,7 @@ func TestFaultLinkStall(t *testing.T) {
 // what the volume reads and in the backing file.
 func TestFaultLateFrames(t *testing.T) {
 	t.Parallel()
+	onlyTransport(t, "tcp", "late frames of a dead connection are bytes a TCP proxy held back and delivers after the reconnection; an RDMA queue pair in the error state delivers nothing late")
 	const blk = 5
 	off := uint64(blk * blockSize)
 	backing, tg, px, at, nc := proxiedBlock(t, "e2e-late-frames", blk)
@@ -775,12 +841,15 @@ type grantHog struct {
 	holding  chan struct{}
 }
 
+// startGrantHog starts a grant hog of export at addr over the run's
+// transport (testProvider).
 func startGrantHog(t *testing.T, addr, export string, chunkSize, chunks int) *grantHog {
 	t.Helper()
+	p := testProvider(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	h := &grantHog{cancel: cancel, holding: make(chan struct{})}
 	h.wg.Add(1)
-	go h.run(ctx, addr, export, chunkSize, chunks)
+	go h.run(ctx, p, addr, export, chunkSize, chunks)
 	t.Cleanup(h.stop)
 	select {
 	case <-h.holding:
@@ -801,9 +870,8 @@ func (h *grantHog) stop() {
 	h.wg.Wait()
 }
 
-func (h *grantHog) run(ctx context.Context, addr, export string, chunkSize, chunks int) {
+func (h *grantHog) run(ctx context.Context, p transport.Provider, addr, export string, chunkSize, chunks int) {
 	defer h.wg.Done()
-	p := tcp.New("tcp")
 	for ctx.Err() == nil {
 		err := h.session(ctx, p, addr, export, chunkSize, chunks)
 		h.mu.Lock()
@@ -946,17 +1014,17 @@ func TestFaultBigWritesSmallChunks(t *testing.T) {
 	needTools(t, "fio")
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	tg := startTarget(t, []string{"vol=" + backing + ",size=64M"}, "--chunk-size", "64K")
-	px := startProxy(t, tg.addr)
-	px.SetDelayAll(faultproxy.ServerToClient, 50*time.Millisecond)
-	at := startAttach(t, viaProxy(tg, px), "vol", "--reconnect-timeout", "60s")
+	link := startFaultLink(t, tg)
+	link.delayAll(t, faultproxy.ServerToClient, 50*time.Millisecond)
+	at := startAttach(t, link.target(), "vol", "--reconnect-timeout", "60s")
 	// Four jobs (four NBD connections) of queue depth 32, each on its own
 	// 16 MiB. Two passes: in the second every chunk is granted, and each
 	// write goes out as one chain.
 	// Writes start 4 KiB into a chunk: each spans 17 chunks and 4 buffer
 	// slots, 20 RDMA WRITEs.
 	job := []string{"--rw=write", "--bs=1M", "--size=7M", "--numjobs=8", "--offset=4k", "--offset_increment=8M", "--verify=crc32c"}
-	fio := startFio(t, append([]string{"--name=rblk", "--ioengine=nbd", "--uri=" + at.uri("vol"), "--iodepth=32",
-		"--loops=4", "--do_verify=0", "--end_fsync=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)
+	fio := startFio(t, append(append([]string{"--name=rblk"}, fioTarget(at.uri("vol"))...), append([]string{"--iodepth=32",
+		"--loops=4", "--do_verify=0", "--end_fsync=1", "--exitall_on_error=1", "--verify_state_save=0"}, job...)...)...)
 	// How deep the queue really got (sampled).
 	var deepest float64
 	for !fio.exited() {

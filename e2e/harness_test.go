@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -26,30 +27,62 @@ import (
 	"go.uber.org/goleak"
 )
 
-// Paths of the binaries TestMain builds.
+// Paths of the binaries TestMain builds (or finds in RBLK_E2E_BIN_DIR).
 var (
 	rblkdBin  string
 	attachBin string
 )
+
+// logDir (RBLK_E2E_LOG_DIR) keeps the output of every process a test
+// starts, in DIR/TEST/NAME-N.log, written as it comes: what a soak greps
+// for panics and races, and what is left when the test binary dies.
+var logDir string
 
 func TestMain(m *testing.M) {
 	os.Exit(runMain(m))
 }
 
 func runMain(m *testing.M) int {
-	dir, err := os.MkdirTemp("", "rblk-e2e-bin-")
+	c, err := parseCombo()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "e2e:", err)
 		return 1
 	}
-	defer os.RemoveAll(dir)
-	if err := buildBinaries(dir); err != nil {
-		fmt.Fprintln(os.Stderr, "e2e: build:", err)
-		return 1
+	e2e = c
+	if d := os.Getenv("RBLK_E2E_LOG_DIR"); d != "" {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: RBLK_E2E_LOG_DIR:", err)
+			return 1
+		}
+		logDir = d
 	}
-	rblkdBin = filepath.Join(dir, "rblkd")
-	attachBin = filepath.Join(dir, "rblk-attach")
+	if d := os.Getenv("RBLK_E2E_BIN_DIR"); d != "" {
+		// Binaries built elsewhere (the guest of vm/ has no time to build
+		// under emulation): used as they are.
+		rblkdBin, attachBin = filepath.Join(d, "rblkd"), filepath.Join(d, "rblk-attach")
+		for _, b := range []string{rblkdBin, attachBin} {
+			if st, err := os.Stat(b); err != nil || st.Mode()&0o111 == 0 {
+				fmt.Fprintf(os.Stderr, "e2e: RBLK_E2E_BIN_DIR=%s: no executable %s (%v)\n", d, filepath.Base(b), err)
+				return 1
+			}
+		}
+	} else {
+		dir, err := os.MkdirTemp("", "rblk-e2e-bin-")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "e2e:", err)
+			return 1
+		}
+		defer os.RemoveAll(dir)
+		if err := buildBinaries(dir); err != nil {
+			fmt.Fprintln(os.Stderr, "e2e: build:", err)
+			return 1
+		}
+		rblkdBin = filepath.Join(dir, "rblkd")
+		attachBin = filepath.Join(dir, "rblk-attach")
+	}
+	fmt.Printf("e2e: %s; rblkd %s, rblk-attach %s\n", e2e, rblkdBin, attachBin)
 	code := m.Run()
+	fmt.Print(notApplicableSummary())
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "e2e: goroutines left behind:", err)
@@ -77,6 +110,15 @@ func buildBinaries(dir string) error {
 	args := []string{"build"}
 	if os.Getenv("RBLK_E2E_RACE") == "1" {
 		args = append(args, "-race")
+	}
+	// RBLK_E2E_TAGS: build tags of the binaries; over rdma at least rdma
+	// (the verbs provider).
+	tags := os.Getenv("RBLK_E2E_TAGS")
+	if e2e.transport == "rdma" && !slices.Contains(strings.Split(tags, ","), "rdma") {
+		tags = strings.TrimPrefix(tags+",rdma", ",")
+	}
+	if tags != "" {
+		args = append(args, "-tags", tags)
 	}
 	args = append(args, "-o", dir+string(filepath.Separator),
 		"github.com/rblk/rblk/cmd/rblkd", "github.com/rblk/rblk/cmd/rblk-attach")
@@ -181,6 +223,7 @@ type proc struct {
 	out     *syncBuffer
 	done    chan struct{}
 	waitErr error
+	checked atomic.Bool // checkOutput ran
 }
 
 // startProc starts bin with args. A cleanup kills it if the test did not
@@ -199,16 +242,30 @@ func startProcEnv(t *testing.T, name string, env []string, bin string, args ...s
 	if env != nil {
 		p.cmd.Env = append(os.Environ(), env...)
 	}
-	p.cmd.Stdout = p.out
-	p.cmd.Stderr = p.out
+	var out io.Writer = p.out
+	var logFile *os.File
+	if logDir != "" {
+		logFile = openProcLog(t, name)
+		fmt.Fprintf(logFile, "# %s %s\n", bin, strings.Join(args, " "))
+		out = io.MultiWriter(p.out, logFile)
+	}
+	p.cmd.Stdout = out
+	p.cmd.Stderr = out
 	// If the test binary dies, so do its daemons.
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := p.cmd.Start(); err != nil {
+		if logFile != nil {
+			logFile.Close()
+		}
 		t.Fatalf("start %s: %v", name, err)
 	}
 	t.Logf("started %s (pid %d): %s %s", name, p.cmd.Process.Pid, filepath.Base(bin), strings.Join(args, " "))
 	go func() {
 		p.waitErr = p.cmd.Wait()
+		if logFile != nil {
+			fmt.Fprintf(logFile, "# exited: %v\n", p.waitErr)
+			logFile.Close()
+		}
 		close(p.done)
 	}()
 	t.Cleanup(func() {
@@ -217,11 +274,34 @@ func startProcEnv(t *testing.T, name string, env []string, bin string, args ...s
 			p.cmd.Process.Kill()
 			<-p.done
 		}
+		// A panic or a race of a daemon fails the test, however the
+		// daemon ended (killed, exited by itself, or stopped).
+		if name == "rblkd" || name == "rblk-attach" {
+			p.checkOutput(t)
+		}
 		if t.Failed() {
 			t.Logf("output of %s:\n%s", name, p.out.String())
 		}
 	})
 	return p
+}
+
+var procLogSeq sync.Map // test name -> *atomic.Int64
+
+// openProcLog creates RBLK_E2E_LOG_DIR/TEST/NAME-N.log.
+func openProcLog(t *testing.T, name string) *os.File {
+	t.Helper()
+	dir := filepath.Join(logDir, strings.NewReplacer("/", "__", " ", "_").Replace(t.Name()))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatalf("RBLK_E2E_LOG_DIR: %v", err)
+	}
+	v, _ := procLogSeq.LoadOrStore(t.Name(), new(atomic.Int64))
+	n := v.(*atomic.Int64).Add(1)
+	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%d.log", name, n)))
+	if err != nil {
+		t.Fatalf("RBLK_E2E_LOG_DIR: %v", err)
+	}
+	return f
 }
 
 func (p *proc) exited() bool {
@@ -256,9 +336,12 @@ func (p *proc) stop(t *testing.T, timeout time.Duration) {
 	p.checkOutput(t)
 }
 
-// checkOutput fails t if the process panicked or raced.
+// checkOutput fails t if the process panicked or raced (once per process).
 func (p *proc) checkOutput(t *testing.T) {
 	t.Helper()
+	if !p.checked.CompareAndSwap(false, true) {
+		return
+	}
 	out := p.out.String()
 	for _, bad := range []string{"panic:", "WARNING: DATA RACE", "fatal error:"} {
 		if strings.Contains(out, bad) {
@@ -297,28 +380,20 @@ type target struct {
 	metrics string // HOST:PORT of /metrics
 }
 
-// startTarget starts rblkd serve --transport tcp on free ports with the
-// given --export values and extra flags, and waits until it accepts.
+// startTarget starts rblkd serve on free ports with the given --export
+// values and extra flags, and waits until it accepts. It listens on this
+// run's transport and address (RBLK_E2E_TRANSPORT, RBLK_E2E_ADDR): rblkd
+// serve --transport T --listen ADDR:PORT, with --allow-unauthenticated on a
+// non-loopback address unless extra has --auth-file (the loopback address
+// of the tcp run needs neither).
 func startTarget(t *testing.T, exports []string, extra ...string) *target {
 	t.Helper()
 	for attempt := 1; ; attempt++ {
-		addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		addr := hostPort(freePort(t))
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-		args := []string{"serve", "--transport", "tcp", "--listen", addr, "--metrics-listen", metrics}
-		for _, e := range exports {
-			args = append(args, "--export", e)
-		}
-		args = append(args, extra...)
-		p := startProc(t, "rblkd", rblkdBin, args...)
+		p := startProc(t, "rblkd", rblkdBin, serveArgs(addr, metrics, exports, extra)...)
 		tg := &target{proc: p, addr: addr, metrics: metrics}
-		err := waitUntil(p, 20*time.Second, func() bool {
-			c, err := net.DialTimeout("tcp", addr, time.Second)
-			if err != nil {
-				return false
-			}
-			c.Close()
-			return httpOK("http://" + metrics + "/metrics")
-		})
+		err := waitUntil(p, 20*time.Second, tg.ready)
 		if err == nil {
 			return tg
 		}
@@ -330,27 +405,83 @@ func startTarget(t *testing.T, exports []string, extra ...string) *target {
 	}
 }
 
+// serveArgs is the command line of rblkd serve on this run's transport.
+func serveArgs(addr, metrics string, exports, extra []string) []string {
+	args := []string{"serve", "--transport", e2eTransport(), "--listen", addr, "--metrics-listen", metrics}
+	for _, e := range exports {
+		args = append(args, "--export", e)
+	}
+	if !loopbackHost() && !slices.Contains(extra, "--auth-file") && !slices.Contains(extra, "--allow-unauthenticated") {
+		// (the address is the guest's own, reached by nothing else)
+		args = append(args, "--allow-unauthenticated")
+	}
+	if !slices.Contains(extra, "--admin-socket") && !slices.Contains(extra, "--config") {
+		// Not the machine's /run/rblk/rblkd.sock (as root): a test that
+		// wants an admin socket names its own, here or in its --config.
+		args = append(args, "--admin-socket", "")
+	}
+	return append(args, extra...)
+}
+
+// ready says whether rblkd serves: over tcp its port accepts, over rdma
+// (no TCP port to try) it logged that it listens; and /metrics answers.
+func (tg *target) ready() bool {
+	if e2e.transport == "tcp" {
+		c, err := net.DialTimeout("tcp", tg.addr, time.Second)
+		if err != nil {
+			return false
+		}
+		c.Close()
+	} else if !strings.Contains(tg.out.String(), "rblkd serving") {
+		return false
+	}
+	return httpOK("http://" + tg.metrics + "/metrics")
+}
+
 // attacher is a running rblk-attach.
 type attacher struct {
 	*proc
-	sock    string // path of the NBD unix socket
+	// sock is the path of the NBD unix socket; with RBLK_E2E_DEVICE=nbd
+	// it is the block device, /dev/nbdN (dialNBD takes either).
+	sock    string
+	dev     string // /dev/nbdN with RBLK_E2E_DEVICE=nbd, else ""
 	metrics string
 }
 
-// uri is the NBD URI of export name ("" for the default export).
+// uri is the NBD URI of export name ("" for the default export), for
+// qemu-io, qemu-img, nbdinfo, nbdfuse and fioTarget; with
+// RBLK_E2E_DEVICE=nbd it is the block device (one volume, whatever name).
 func (a *attacher) uri(name string) string {
+	if a.dev != "" {
+		return a.dev
+	}
 	return "nbd+unix:///" + name + "?socket=" + a.sock
 }
 
-// startAttach attaches export of tg with --nbd-listen on a unix socket in a
-// fresh folder, and waits until its NBD server greets.
+// devRE finds the device in rblk-attach --device's "attached" log line.
+var devRE = regexp.MustCompile(`"device": "(/dev/nbd[0-9]+)"`)
+
+// startAttach attaches export of tg over this run's transport and waits
+// until it serves: with --nbd-listen on a unix socket in a fresh folder
+// (until its NBD server greets), or with RBLK_E2E_DEVICE=nbd as the kernel's
+// device (--device auto, until it says which /dev/nbdN it attached).
 func startAttach(t *testing.T, tg *target, export string, extra ...string) *attacher {
 	t.Helper()
 	sock := filepath.Join(sockDir(t), "nbd.sock")
 	for attempt := 1; ; attempt++ {
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-		args := []string{"attach", "--transport", "tcp", "--target", tg.addr, "--export", export,
-			"--nbd-listen", "unix:" + sock, "--metrics-listen", metrics}
+		args := []string{"attach", "--transport", e2eTransport(), "--target", tg.addr, "--export", export, "--metrics-listen", metrics}
+		if e2e.device == "nbd" {
+			// As many kernel sockets as queues (--queues, else one), as an
+			// NBD client on the socket has: one session per queue.
+			conns := "1"
+			if i := slices.Index(extra, "--queues"); i >= 0 && i+1 < len(extra) {
+				conns = extra[i+1]
+			}
+			args = append(args, "--device", "auto", "--connections", conns)
+		} else {
+			args = append(args, "--nbd-listen", "unix:"+sock)
+		}
 		if !slices.Contains(extra, "--host-id") {
 			// Each attacher is a host of its own (and the machine's
 			// /etc/rblk/hostid is left alone): a second attach of one
@@ -364,12 +495,25 @@ func startAttach(t *testing.T, tg *target, export string, extra ...string) *atta
 		args = append(args, extra...)
 		p := startProc(t, "rblk-attach", attachBin, args...)
 		a := &attacher{proc: p, sock: sock, metrics: metrics}
-		err := waitUntil(p, 30*time.Second, func() bool { return nbdGreets(sock) })
+		var err error
+		if e2e.device == "nbd" {
+			err = waitUntil(p, 60*time.Second, func() bool {
+				m := devRE.FindStringSubmatch(p.out.String())
+				if m != nil {
+					a.dev, a.sock = m[1], m[1]
+				}
+				return m != nil
+			})
+		} else {
+			err = waitUntil(p, 30*time.Second, func() bool { return nbdGreets(sock) })
+		}
 		if err == nil {
 			return a
 		}
-		if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
-			t.Logf("rblk-attach lost a port race, retrying")
+		// (a device the kernel has not quite let go of answers EBUSY)
+		if p.exited() && attempt < 3 && (strings.Contains(p.out.String(), "address already in use") ||
+			e2e.device == "nbd" && strings.Contains(p.out.String(), "busy")) {
+			t.Logf("rblk-attach lost a port or device race, retrying")
 			continue
 		}
 		t.Fatalf("rblk-attach not ready: %v\n%s", err, p.out.String())

@@ -27,6 +27,7 @@ func frameHeader(magic uint16, typ byte, length uint32) []byte {
 // connection and stay up, and an attached initiator must keep working.
 func TestMalformedClient(t *testing.T) {
 	t.Parallel()
+	onlyTransport(t, "tcp", "writes malformed frames of the software transport to rblkd's TCP port")
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	backing := filepath.Join(dir, "vol.img")

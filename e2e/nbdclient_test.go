@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 )
@@ -33,15 +34,20 @@ const (
 
 type nbdClient struct {
 	c      net.Conn
+	dev    *blockDev // the kernel's device instead of c (devclient_test.go)
 	size   uint64
 	flags  uint16
 	handle uint64
 }
 
 // dialNBD connects to the NBD server on the unix socket sock and selects
-// export name.
+// export name. With RBLK_E2E_DEVICE=nbd, sock (attacher.sock) is the
+// kernel's /dev/nbdN, and the client works through the device (dialDevice).
 func dialNBD(t *testing.T, sock, name string) *nbdClient {
 	t.Helper()
+	if strings.HasPrefix(sock, "/dev/") {
+		return dialDevice(t, sock, name)
+	}
 	c, err := net.DialTimeout("unix", sock, 5*time.Second)
 	if err != nil {
 		t.Fatalf("dial NBD %s: %v", sock, err)
@@ -87,6 +93,10 @@ func dialNBD(t *testing.T, sock, name string) *nbdClient {
 // error code and, for a successful READ, the data.
 func (n *nbdClient) do(typ uint16, off uint64, length uint32, payload []byte) (uint32, []byte, error) {
 	n.handle++
+	if n.dev != nil {
+		errno, data := n.dev.op(typ, off, length, payload)
+		return errno, data, nil
+	}
 	req := nbdRequest(n.handle, typ, off, length, payload)
 	n.c.SetDeadline(time.Now().Add(60 * time.Second))
 	defer n.c.SetDeadline(time.Time{})
@@ -137,6 +147,9 @@ func (n *nbdClient) readAll(t *testing.T) []byte {
 // close sends NBD_CMD_DISC and closes the connection.
 func (n *nbdClient) close() {
 	n.do(nbdCmdDisc, 0, 0, nil)
+	if n.dev != nil {
+		return // (the device is closed by a cleanup, once what was sent has finished)
+	}
 	n.c.Close()
 }
 

@@ -72,6 +72,7 @@ func notifyLines(msg string) map[string]string {
 // answers, the NBD socket greets), STOPPING=1 on SIGTERM.
 func TestSystemdNotify(t *testing.T) {
 	t.Parallel()
+	onlyTransport(t, "tcp", "systemd's protocol is the same on every transport, and READY=1 is proven by a TCP connection to rblkd's port")
 	dir := t.TempDir()
 	ns := newNotifySocket(t)
 	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
@@ -194,9 +195,14 @@ func TestStatus(t *testing.T) {
 		t.Fatalf("status: %d attaches, want 1: %+v", len(es), es)
 	}
 	e := es[0]
-	if e.PID != a.cmd.Process.Pid || e.State != "up" || e.Export != "vol0" || e.Target != tg.addr || e.Socket != "unix:"+a.sock ||
-		e.Transport != "tcp" || e.Queues != 2 || e.Size != 4<<20 || e.Reconnects != 0 || e.Since.IsZero() {
-		t.Errorf("status: %+v; want pid %d, up, vol0 of %s on unix:%s over tcp, 2 queues, 4 MiB, no reconnects", e, a.cmd.Process.Pid, tg.addr, a.sock)
+	// (with RBLK_E2E_DEVICE=nbd: a device, no socket)
+	wantSock, wantDev := "unix:"+a.sock, ""
+	if a.dev != "" {
+		wantSock, wantDev = "", a.dev
+	}
+	if e.PID != a.cmd.Process.Pid || e.State != "up" || e.Export != "vol0" || e.Target != tg.addr || e.Socket != wantSock || e.Device != wantDev ||
+		e.Transport != e2eTransport() || e.Queues != 2 || e.Size != 4<<20 || e.Reconnects != 0 || e.Since.IsZero() {
+		t.Errorf("status: %+v; want pid %d, up, vol0 of %s on %q%q over %s, 2 queues, 4 MiB, no reconnects", e, a.cmd.Process.Pid, tg.addr, wantSock, wantDev, e2eTransport())
 	}
 	table := mustRun(t, 30*time.Second, attachBin, "status", "--state-dir", state).stdout
 	if !strings.Contains(table, "RECONNECTS") || !strings.Contains(table, "vol0") || !strings.Contains(table, " up ") {
@@ -211,7 +217,7 @@ func TestStatus(t *testing.T) {
 		return len(es) == 1 && es[0].State == "up" && es[0].Reconnects >= 1
 	})
 
-	r := mustRun(t, 30*time.Second, attachBin, "list", "--json", "--host-id", "e2e-status", "--transport", "tcp", "--target", tg.addr)
+	r := mustRun(t, 30*time.Second, attachBin, "list", "--json", "--host-id", "e2e-status", "--transport", e2eTransport(), "--target", tg.addr)
 	var list []struct {
 		Name     string `json:"name"`
 		Size     uint64 `json:"size"`

@@ -14,6 +14,7 @@ import (
 // unchanged.
 func TestReadOnlyExport(t *testing.T) {
 	t.Parallel()
+	needSocket(t, "sends NBD commands the server did not advertise (a WRITE to a read-only export) and reads the transmission flags; with --device the kernel is the NBD client and refuses writes to a read-only device itself")
 	needTools(t, "qemu-io", "qemu-img")
 	dir := t.TempDir()
 	golden := filepath.Join(dir, "golden.img")

@@ -76,7 +76,7 @@ func TestUnauthenticatedOnlyOnLoopback(t *testing.T) {
 	img := writeFile(t, dir, "vol.img", strings.Repeat("\x00", 1<<20), 0o600)
 	wildcard := fmt.Sprintf("0.0.0.0:%d", freePort(t))
 	wantCLIError(t, rblkdBin, []string{"not a loopback address", "--auth-file", "--allow-unauthenticated"},
-		"serve", "--transport", "tcp", "--listen", wildcard, "--export", "vol="+img)
+		"serve", "--transport", e2eTransport(), "--listen", wildcard, "--export", "vol="+img)
 	tg := startTargetOn(t, wildcard, []string{"vol=" + img}, "--allow-unauthenticated")
 	if !strings.Contains(tg.out.String(), "WITHOUT authentication") {
 		t.Fatalf("rblkd --allow-unauthenticated did not warn:\n%s", tg.out.String())
@@ -98,14 +98,14 @@ func TestAuthentication(t *testing.T) {
 
 	at := startAttach(t, tg, "vol", "--host-id", "host-a", "--secret-file", secretA)
 	qemuIO(t, at.uri("vol"), []qop{{kind: 'w', pattern: 0x5a, n: 64 << 10}, {kind: 'r', pattern: 0x5a, n: 64 << 10}})
-	r := mustRun(t, 30*time.Second, attachBin, "list", "--host-id", "host-b", "--secret-file", secretB, "--transport", "tcp", "--target", tg.addr)
+	r := mustRun(t, 30*time.Second, attachBin, "list", "--host-id", "host-b", "--secret-file", secretB, "--transport", e2eTransport(), "--target", tg.addr)
 	if !strings.Contains(r.stdout, "open") || strings.Contains(r.stdout, "vol ") {
 		t.Errorf("host-b's list shows %q: want open, not vol (allow=host-a)", r.stdout)
 	}
 
 	sock := "unix:" + filepath.Join(sockDir(t), "nbd.sock")
 	attach := func(host string, more ...string) []string {
-		return append([]string{"attach", "--host-id", host, "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", sock}, more...)
+		return append([]string{"attach", "--host-id", host, "--transport", e2eTransport(), "--target", tg.addr, "--export", "vol", "--nbd-listen", sock}, more...)
 	}
 	for _, c := range []struct {
 		name   string
@@ -116,7 +116,7 @@ func TestAuthentication(t *testing.T) {
 		{"wrong secret", attach("host-a", "--secret-file", secretB), "wrong_secret", []string{"authentication", `wrong secret for host "host-a"`}},
 		{"unknown host", attach("host-z", "--secret-file", secretA), "unknown_host", []string{"authentication", `unknown host "host-z"`}},
 		{"missing secret", attach("host-a"), "no_secret", []string{"authentication", "gave no secret", "--secret-file"}},
-		{"list with a wrong secret", []string{"list", "--host-id", "host-b", "--secret-file", secretA, "--transport", "tcp", "--target", tg.addr},
+		{"list with a wrong secret", []string{"list", "--host-id", "host-b", "--secret-file", secretA, "--transport", e2eTransport(), "--target", tg.addr},
 			"wrong_secret", []string{"authentication", `wrong secret for host "host-b"`}},
 	} {
 		before, _ := metricSum(scrape(t, tg.metrics), "rblkd_auth_failures_total", `reason="`+c.reason+`"`)
@@ -158,13 +158,13 @@ func TestOneWriterAndTakeover(t *testing.T) {
 		"--chunk-size", "64K")
 
 	a := startAttach(t, tg, "vol", "--host-id", "host-a", "--reconnect-timeout", "30s")
-	fio := startFio(t, "--name=holder", "--ioengine=nbd", "--uri="+a.uri("vol"), "--rw=randwrite", "--bs=4k", "--iodepth=8",
-		"--size="+fmt.Sprint(size), "--time_based", "--runtime=60", "--buffer_pattern=0x41")
+	fio := startFio(t, append(append([]string{"--name=holder"}, fioTarget(a.uri("vol"))...), "--rw=randwrite", "--bs=4k", "--iodepth=8",
+		"--size="+fmt.Sprint(size), "--time_based", "--runtime=60", "--buffer_pattern=0x41")...)
 	waitMetric(t, tg.metrics, "rblkd_written_bytes_total", func(v float64) bool { return v >= 1<<20 }, ">= 1 MiB written by the holder")
 
 	sock := "unix:" + filepath.Join(sockDir(t), "nbd.sock")
 	wantCLIError(t, attachBin, []string{`export "vol" is held read-write by host "host-a"`, "--takeover"},
-		"attach", "--host-id", "host-b", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", sock)
+		"attach", "--host-id", "host-b", "--transport", e2eTransport(), "--target", tg.addr, "--export", "vol", "--nbd-listen", sock)
 	ro := startAttach(t, tg, "vol", "--host-id", "host-r", "--read-only")
 	ro.stop(t, stopTimeout)
 

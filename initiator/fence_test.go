@@ -114,6 +114,7 @@ func TestLostDoneLosesNothing(t *testing.T) {
 // while and tried again, instead of using up the whole reconnect time
 // (seen with RDMA CM after a link fault in the guest).
 func TestReconnectAttemptsAreBounded(t *testing.T) {
+	tcpOnly(t, "its black hole is a TCP listener on the target's address")
 	path := filepath.Join(t.TempDir(), "vol.img")
 	r := startTargetAt(t, path, "127.0.0.1:0", 1<<20, 1<<20, 64<<10, false)
 	addr := r.addr

@@ -13,7 +13,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rblk/rblk/initiator"
-	"github.com/rblk/rblk/transport/tcp"
 	"github.com/rblk/rblk/transport/transporttest/faultnet"
 )
 
@@ -23,11 +22,13 @@ import (
 // that follows must not return before its Done has reached the target:
 // the file holds it. (A flush on the first queue alone returns first.)
 func TestQueuesFlushEveryQueue(t *testing.T) {
-	tn := faultnet.Wrap(tcp.New("tcp"))
+	tp, laddr := testProvider(t)
+	tn := faultnet.Wrap(tp)
 	const chunk = 64 << 10
-	r := startTargetOn(t, tn, filepath.Join(t.TempDir(), "vol.img"), "127.0.0.1:0", 1<<20, 1<<20, chunk, false)
+	r := startTargetOn(t, tn, filepath.Join(t.TempDir(), "vol.img"), laddr, 1<<20, 1<<20, chunk, false)
 	ireg := prometheus.NewRegistry()
-	v := r.openWith(initiator.Options{Provider: tcp.New("tcp"), HostID: "host-q", Queues: 2, Metrics: initiator.NewMetrics(ireg)})
+	ip, _ := testProvider(t)
+	v := r.openWith(initiator.Options{Provider: ip, HostID: "host-q", Queues: 2, Metrics: initiator.NewMetrics(ireg)})
 	if got := metric(t, r.reg, "rblkd_sessions"); got != 2 {
 		t.Fatalf("target sessions with 2 queues: %v, want 2", got)
 	}

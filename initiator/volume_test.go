@@ -22,7 +22,6 @@ import (
 	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
-	"github.com/rblk/rblk/transport/tcp"
 	"github.com/rblk/rblk/transport/transporttest/faultnet"
 )
 
@@ -36,16 +35,23 @@ type rig struct {
 	stop func()
 }
 
-// startTarget serves one export of size bytes at path on a loopback port.
+// startTarget serves one export of size bytes at path on a loopback port
+// (or on RBLK_RDMA_ADDR over rdma: testProvider).
 func startTarget(t *testing.T, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
 	t.Helper()
 	return startTargetAt(t, filepath.Join(t.TempDir(), "vol.img"), "127.0.0.1:0", size, cache, chunk, ro, mods...)
 }
 
-// startTargetAt starts a target; mods change its options before it starts.
+// startTargetAt starts a target with the tests' provider (testProvider) on
+// addr, where "127.0.0.1:0" stands for a free port of that provider's
+// address; mods change its options before it starts.
 func startTargetAt(t *testing.T, path, addr string, size int64, cache int64, chunk int, ro bool, mods ...func(*target.Options)) *rig {
 	t.Helper()
-	return startTargetOn(t, tcp.New("tcp"), path, addr, size, cache, chunk, ro, mods...)
+	p, free := testProvider(t)
+	if addr == "127.0.0.1:0" {
+		addr = free
+	}
+	return startTargetOn(t, p, path, addr, size, cache, chunk, ro, mods...)
 }
 
 // startTargetOn starts a target listening with p.

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# scripts/vm-test.sh: rblk's end-to-end test on a real kernel RDMA stack, on
-# two guest kernels. Builds rblkd and rblk-attach with the verbs provider
-# (-tags rdma), then for each kernel boots it under qemu with Soft-RoCE
+# scripts/vm-test.sh: rblk's test on a real kernel RDMA stack, on two guest
+# kernels. Builds rblkd and rblk-attach with the verbs provider (-tags
+# rdma), their -race builds and the Go test binaries (-race -tags
+# rdma,failpoints: e2e.test, target.test, initiator.test; rdma.test and
+# kernel.test), then for each kernel boots it under qemu with Soft-RoCE
 # (vm/run.sh installs what it needs) and runs vm/rblk-e2e.sh inside: the
-# verbs provider's tests; rblk over RDMA on /dev/nbd0 with ext4 and fio
-# verify beside the kernel's NVMe-oF RDMA; a cache smaller than the volume
-# (revokes under fio verify); 64K chunks; kill -9 of rblkd mid-fio and
-# restart; a link fault; the udev rule's /dev/disk/by-rblk names; the
-# guest's dmesg; rxe counters.
+# verbs provider's tests; the e2e suite over rdma on the NBD socket and on
+# the kernel's /dev/nbdN; ublk; an online grow; the udev rule's
+# /dev/disk/by-rblk names; the fio table beside the kernel's NVMe-oF RDMA;
+# a cache smaller than the volume under a CPU hog (no reconnect); the soak
+# (the target's, the initiator's and the e2e fault tests over rxe under a
+# CPU hog, repeated); no panic or race in any log; the guest's dmesg; rxe
+# counters.
 #
 # Kernels (RBLK_VM_KERNELS, default "6.1 6.12"):
 #   6.1   Debian 12's linux-image-amd64, installed on the host (/boot)
@@ -15,24 +19,42 @@
 #         guest only by vm/kernel-backports.sh (cached in /var/cache/rblk-vm;
 #         the host's apt sources are not changed)
 # Each kernel is its own PASS/FAIL; its share (guest.log, dmesg.log,
-# scenarios.txt, fio-table.txt, rxe-counters.txt, logs/) is
-# RESULTS/kernel-VERSION/ and its vm/run.sh output RESULTS/kernel-VERSION.log,
-# with RESULTS=/var/tmp/rblk-vm/results/DATE-PID (…/results/last: the newest;
+# scenarios.txt, e2e-summary.txt, soak-summary.txt, fio-table.txt,
+# rxe-counters.txt, logs/) is RESULTS/kernel-VERSION/ and its vm/run.sh
+# output RESULTS/kernel-VERSION.log, with
+# RESULTS=/var/tmp/rblk-vm/results/DATE-PID (…/results/last: the newest;
 # the last 5 are kept). RBLK_VM_RESULTS=DIR chooses it.
 #
 #   scripts/vm-test.sh                     # both kernels
 #   RBLK_VM_KERNELS=6.12 scripts/vm-test.sh
-#   RBLK_TRANSPORT=tcp scripts/vm-test.sh  # without verbs
+#   RBLK_TRANSPORT=tcp scripts/vm-test.sh  # the scenarios without verbs
 #   RBLK_VM_KERNELS=6.12 RBLK_VM_SCENARIOS=bench scripts/vm-test.sh
 #                                          # only the fio table (fio-table.txt)
+#   RBLK_VM_SOAK_RUNS=3 RBLK_VM_HOG=1 RBLK_VM_SCENARIOS="soak panics dmesg" scripts/vm-test.sh
+#                                          # the soak, three runs in a row
+#   RBLK_VM_SCENARIOS=e2e RBLK_VM_E2E_RUN=TestFio RBLK_VM_E2E_DEVICES=nbd ...
+#                                          # one e2e test on /dev/nbdN
 #   RBLK_VM_BASELINE_BIN=DIR ...           # the table gets a column
 #                                          # "rblk-before": DIR/rblkd and
 #                                          # DIR/rblk-attach (an older build)
-#   RBLK_VM_BENCH_KERNELS=6.12 ...       # the bench scenario on 6.12 only
+#   RBLK_VM_BENCH_KERNELS=6.12 ...         # the bench scenario on 6.12 only
 #                                          # (the others skip it, and say so)
+#   RBLK_VM_E2E_PLAN="6.1:socket 6.12:nbd" ...
+#                                          # the e2e suite on the NBD socket
+#                                          # on 6.1, on /dev/nbdN on 6.12
+#                                          # (6.1:socket,nbd: both; a kernel
+#                                          # not named: RBLK_VM_E2E_DEVICES);
+#                                          # RBLK_VM_E2E_SKIP_KERNELS="6.12:RE"
+#                                          # is -test.skip RE on 6.12
+#   RBLK_VM_SOAK_KERNELS=6.12 ...          # the soak on 6.12 only (the
+#                                          # others skip it, and say so)
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
-# RBLK_VM_BASELINE_BIN, and the table's FIO_REPS, FIO_RUNTIME, FIO_RAMP,
-# BENCH_MB, BENCH_QUEUES, BENCH_NULL_JOBS (vm/rblk-e2e.sh).
+# RBLK_VM_BASELINE_BIN, RBLK_VM_HOG, RBLK_VM_E2E_DEVICES, RBLK_VM_E2E_RUN,
+# RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_E2E_RUN,
+# RBLK_VM_SOAK_E2E_DEVICE, RBLK_RDMA_FAILPOINTS, RBLK_FAULT_SEED, and the
+# table's FIO_REPS, FIO_RUNTIME, FIO_RAMP, BENCH_MB, BENCH_QUEUES,
+# BENCH_NULL_JOBS (vm/rblk-e2e.sh). RBLK_VM_MEM (default 3G here) and
+# RBLK_VM_TIMEOUT (default: 1500 s plus 900 s per soak run) size the guest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
@@ -40,12 +62,18 @@ KERNELS=${RBLK_VM_KERNELS:-6.1 6.12}
 CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
 
 need=()
-# (nbdkit and nbd-client: the guest's "nbd null" column of the bench)
-for p in libibverbs-dev librdmacm-dev xz-utils kmod nbdkit nbd-client; do
+# (nbdkit and nbd-client: the guest's "nbd null" column of the bench; the
+# userspace NBD clients, fio, FUSE and e2fsprogs: the e2e suite, which runs
+# in the guest with RBLK_E2E_REQUIRE=1)
+for p in libibverbs-dev librdmacm-dev xz-utils kmod nbdkit nbd-client qemu-utils libnbd-bin fio fuse3 e2fsprogs gcc libc6-dev; do
 	dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+# (nbdfuse: its own package in newer Debian, in libnbd-bin in Debian 12)
+if ! command -v nbdfuse >/dev/null 2>&1; then
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nbdfuse >/dev/null
 fi
 
 if [ -n "${RBLK_VM_RESULTS:-}" ]; then
@@ -60,18 +88,32 @@ mkdir -p "$RESULTS"
 
 art=$(mktemp -d /var/tmp/rblk-vm-bin.XXXXXX)
 trap 'rm -rf "$art"' EXIT
+t_build=$SECONDS
 echo "== building rblkd and rblk-attach with -tags rdma"
 go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 cp systemd/99-rblk.rules "$art/" # (the udev scenario)
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
-go test -c -tags rdma -o "$art/target.test" ./target/
 go test -c -o "$art/kernel.test" ./initiator/kernel/
+# The e2e suite and the soak: everything with -race, and the failpoints of
+# the verbs provider built in (driven by RBLK_RDMA_FAILPOINTS; a tag that
+# no file uses yet is harmless). The guest cannot build (no time under
+# emulation): e2e.test runs the binaries of race/ (RBLK_E2E_BIN_DIR).
+RACE_TAGS=${RBLK_VM_RACE_TAGS:-rdma,failpoints}
+echo "== building the -race binaries and test binaries (-tags $RACE_TAGS)"
+mkdir -p "$art/race"
+go build -race -tags "$RACE_TAGS" -o "$art/race/" ./cmd/rblkd ./cmd/rblk-attach
+for pkg in e2e target initiator; do
+	go test -c -race -tags "$RACE_TAGS" -o "$art/$pkg.test" "./$pkg/"
+done
+echo "== built in $((SECONDS - t_build))s"
 if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	# (the guest sees the host's root: an absolute host path works there)
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
 : >"$art/env.base"
-for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS; do
+for v in RBLK_TRANSPORT RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN RBLK_VM_HOG RBLK_VM_E2E_DEVICES RBLK_VM_E2E_RUN RBLK_VM_E2E_SKIP RBLK_VM_E2E_PARALLEL RBLK_VM_SOAK_RUNS \
+	RBLK_VM_SOAK_SUITES RBLK_VM_SOAK_E2E_RUN RBLK_VM_SOAK_E2E_DEVICE RBLK_RDMA_FAILPOINTS RBLK_FAULT_SEED \
+	FIO_REPS FIO_RUNTIME FIO_RAMP BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS; do
 	if [ -n "${!v:-}" ]; then
 		printf 'export %s=%q\n' "$v" "${!v}" >>"$art/env.base"
 	fi
@@ -98,8 +140,19 @@ run_kernel() {
 	if [ -n "${RBLK_VM_BENCH_KERNELS:-}" ] && [[ " $RBLK_VM_BENCH_KERNELS " != *" $k "* ]]; then
 		echo 'export RBLK_VM_SKIP_SCENARIOS=bench' >>"$art/env.sh"
 	fi
-	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-1200} \
-		vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
+	if [ -n "${RBLK_VM_SOAK_KERNELS:-}" ] && [[ " $RBLK_VM_SOAK_KERNELS " != *" $k "* ]]; then
+		echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} soak\"" >>"$art/env.sh"
+	fi
+	# The e2e suite's devices and left-out tests on this kernel.
+	local p v
+	for p in ${RBLK_VM_E2E_PLAN:-}; do
+		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_DEVICES=%q\n' "${v//,/ }" >>"$art/env.sh"; }
+	done
+	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
+		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
+	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((1500 + 900 * ${RBLK_VM_SOAK_RUNS:-1}))} \
+		RBLK_VM_MEM=${RBLK_VM_MEM:-3G} vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
 	scen=$(awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $3, $1 }' "$out/scenarios.txt" 2>/dev/null || true)
 	if [ "$rc" = 0 ]; then
@@ -107,6 +160,12 @@ run_kernel() {
 	else
 		SUMMARY+=("FAIL  kernel $k (${kver:-?}): exit $rc after $((SECONDS - t0))s; ${scen:-no scenario ran}; see $out.log")
 	fi
+	# (the e2e suite's and the soak's lines: which tests failed, where)
+	local l
+	for l in "$out/e2e-summary.txt" "$out/soak-summary.txt"; do
+		[ -s "$l" ] || continue
+		while IFS= read -r line; do SUMMARY+=("        $line"); done < <(grep -v '^  ' "$l")
+	done
 	return "$rc"
 }
 

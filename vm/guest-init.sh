@@ -47,8 +47,8 @@ step mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 ln -sf /proc/self/fd /dev/fd 2>/dev/null
 echo "guest-init: kernel $(uname -r), uptime $(cut -d' ' -f1 /proc/uptime)s"
 
-# --- modules: Soft-RoCE, rdma_cm userspace, dummy netdev, NBD, loop ---
-step modprobe -a configfs rdma_rxe ib_uverbs rdma_ucm dummy nbd loop
+# --- modules: Soft-RoCE, rdma_cm userspace, dummy netdev, NBD, loop, FUSE (nbdfuse) ---
+step modprobe -a configfs rdma_rxe ib_uverbs rdma_ucm dummy nbd loop fuse
 mountpoint -q /sys/kernel/config || step mount -t configfs configfs /sys/kernel/config
 
 # --- network: lo, dummy0 with 192.0.2.1/24 (Soft-RoCE fails on lo / 127.x) ---

@@ -16,6 +16,10 @@
 #   metric URL NAME         the sum of the series of NAME (any labels) at the
 #                           Prometheus endpoint URL (HOST:PORT), 0 if absent;
 #                           fails (returns 1) if the endpoint does not answer
+#   hog_start [N]           a CPU hog: N (default: one per CPU) busy loops at
+#                           normal priority, as other jobs of a loaded machine;
+#                           their pids in HOG_PIDS
+#   hog_stop                kills the hog's loops and waits for them
 #
 # Safe under set -e. LOGS (a dir) is read by fail only; FAIL_TAIL lines of each log (default 30).
 
@@ -66,4 +70,24 @@ metric() {
 	local out
 	out=$(curl -fsS --max-time 10 "http://$1/metrics") || return 1
 	awk -v m="$2" '$1 == m || index($1, m "{") == 1 { s += $NF } END { printf "%.0f\n", s }' <<<"$out"
+}
+
+HOG_PIDS=()
+
+hog_start() {
+	local n=${1:-$(nproc)} i
+	for ((i = 0; i < n; i++)); do
+		# (no output: the loop must not hold the log pipe open)
+		bash -c 'while :; do :; done' >/dev/null 2>&1 </dev/null &
+		HOG_PIDS+=($!)
+	done
+	echo "CPU hog: $n busy loops at normal priority (pids ${HOG_PIDS[*]})"
+}
+
+hog_stop() {
+	[ ${#HOG_PIDS[@]} -gt 0 ] || return 0
+	kill -KILL "${HOG_PIDS[@]}" 2>/dev/null || true
+	wait "${HOG_PIDS[@]}" 2>/dev/null || true
+	echo "CPU hog stopped"
+	HOG_PIDS=()
 }
