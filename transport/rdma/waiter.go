@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -31,10 +32,24 @@ var aLongTimeAgo = time.Unix(1, 0)
 // poller, so that no OS thread sleeps in C. It polls a duplicate of the fd
 // (the channel keeps and closes its own), and is interrupted by setting a
 // read deadline in the past: for the end of a context, and for kick.
+//
+// One wait at a time: its callers serialize them (Poll and Close's drain
+// by pollSem, the CM channel of a conn by cmMu, a listener's by its
+// Accept's semaphore). The end of a wait's context is watched by a
+// context.AfterFunc that stays registered after the wait, for the next
+// ones with the same context (known by its Done channel): Poll, called in
+// a loop with one context, sleeps without allocating. Only a new context
+// registers anew (stopping the registration before it); close stops it.
 type waiter struct {
-	f   *os.File
-	rc  syscall.RawConn
-	gen atomic.Uint64
+	f      *os.File
+	rc     syscall.RawConn
+	gen    atomic.Uint64
+	expire func() // sets the read deadline in the past (made once)
+
+	mu        sync.Mutex
+	watched   <-chan struct{} // the Done channel of the context watched
+	stopWatch func() bool     // ends that registration
+	closed    bool
 }
 
 func newWaiter(fd int, name string) (*waiter, error) {
@@ -53,7 +68,9 @@ func newWaiter(fd int, name string) (*waiter, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s: fd %d cannot be polled: %w", name, fd, err)
 	}
-	return &waiter{f: f, rc: rc}, nil
+	w := &waiter{f: f, rc: rc}
+	w.expire = func() { w.f.SetReadDeadline(aLongTimeAgo) }
+	return w, nil
 }
 
 // wait calls try (whose argument is meaningless), and while it returns
@@ -67,17 +84,13 @@ func (w *waiter) wait(ctx context.Context, gen uint64, try func(uintptr) bool) e
 	if w.gen.Load() != gen {
 		return errKicked
 	}
-	var stop func() bool
 	if ctx.Done() != nil {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		stop = context.AfterFunc(ctx, func() { w.f.SetReadDeadline(aLongTimeAgo) })
 	}
+	w.watch(ctx)
 	err := w.rc.Read(try)
-	if stop != nil {
-		stop()
-	}
 	switch {
 	case err == nil:
 		return nil
@@ -91,6 +104,29 @@ func (w *waiter) wait(ctx context.Context, gen uint64, try func(uintptr) bool) e
 	}
 }
 
+// watch makes the end of ctx interrupt the waits from now on: it keeps
+// the registration of the last wait when ctx is its context (or one with
+// the same Done channel), and makes another otherwise, or none for a
+// context that never ends. A registration left from an earlier wait may
+// fire during a later one (its context ended meanwhile): that wait
+// returns errKicked, which its caller takes as spurious.
+func (w *waiter) watch(ctx context.Context) {
+	done := ctx.Done()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if done == w.watched || w.closed {
+		return
+	}
+	if w.stopWatch != nil {
+		w.stopWatch()
+		w.stopWatch = nil
+	}
+	w.watched = done
+	if done != nil {
+		w.stopWatch = context.AfterFunc(ctx, w.expire)
+	}
+}
+
 // kick interrupts a wait in progress, or the next one of a caller that read
 // gen before the kick.
 func (w *waiter) kick() {
@@ -98,9 +134,19 @@ func (w *waiter) kick() {
 	w.f.SetReadDeadline(aLongTimeAgo)
 }
 
-// close ends waits in progress (with errWaiterClosed) and closes the
-// duplicate fd.
-func (w *waiter) close() { w.f.Close() }
+// close ends waits in progress (with errWaiterClosed), ends the watch of
+// the last wait's context and closes the duplicate fd.
+func (w *waiter) close() {
+	w.mu.Lock()
+	w.closed = true
+	if w.stopWatch != nil {
+		w.stopWatch()
+		w.stopWatch = nil
+	}
+	w.watched = nil
+	w.mu.Unlock()
+	w.f.Close()
+}
 
 // waitEvent waits for the next event of an RDMA CM channel.
 func waitEvent(ctx context.Context, ch verbs.EventChannel, w *waiter) (verbs.Event, error) {
