@@ -61,6 +61,9 @@ type session struct {
 	ctx    context.Context // ends when the session ends
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // request goroutines
+	// serving counts its requests being served: a drain waiting for the
+	// session takes them as progress (the initiator waits for the target).
+	serving atomic.Int64
 
 	// mu guards the session's handles and their grants' index. Lock
 	// order: Target.mu, then session.mu, then cache.mu.
@@ -118,9 +121,11 @@ func (s *session) handle(h protocol.Header, payload []byte) {
 		s.protocolError(fmt.Errorf("decode %v: %w", h.Type, err))
 		return
 	}
+	s.serving.Add(1)
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
+		defer s.serving.Add(-1)
 		s.serve(h, m)
 	}()
 }

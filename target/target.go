@@ -96,9 +96,10 @@ type Options struct {
 	WritebackDelay time.Duration
 	// DrainTimeout bounds how long Close waits, after it announced the
 	// shutdown, for initiators that make no progress (no request served,
-	// no byte written back, no session ended for that long): a drain that
-	// is writing back a slow disk for the initiators' flushes goes on.
-	// Default DefaultDrainTimeout.
+	// no write-back written, no session ended for that long, and no
+	// request of theirs being served): a drain that is writing back a
+	// slow disk for the initiators' flushes goes on, however long one
+	// write takes (DrainLimit bounds it). Default DefaultDrainTimeout.
 	DrainTimeout time.Duration
 	// DrainLimit bounds the whole drain. Default DefaultDrainLimit.
 	DrainLimit time.Duration
@@ -693,7 +694,10 @@ func (t *Target) drainWith(ctx context.Context, sessions []*session, why string)
 			case <-s.link.Done():
 				waiting = false
 			case <-check.C:
-				if now := t.progress.Load(); now != last {
+				if now := t.progress.Load(); now != last || serving(sessions) {
+					// (An initiator whose request is being served,
+					// such as its Flush writing back a slow disk,
+					// waits for the target.)
 					last = now
 					continue
 				}
@@ -705,6 +709,16 @@ func (t *Target) drainWith(ctx context.Context, sessions []*session, why string)
 			}
 		}
 	}
+}
+
+// serving reports whether a request of one of sessions is being served.
+func serving(sessions []*session) bool {
+	for _, s := range sessions {
+		if s.serving.Load() > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // reinstate gives ov its session generation and, if it is writable,
