@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -63,6 +65,14 @@ func TestTakeoverFencesOtherAttachOfHost(t *testing.T) {
 // without being marked dirty, never reached the file, and the next FLUSH
 // failed with EIO.) Without a host ID the promise is not made: the next
 // FLUSH reports the possible loss.
+//
+// The writer is held, once its Done is gone, until the volume has handled
+// the loss of the connection (OnLink): the scheduling that the guest's
+// soak met over rdma, made certain. A write acknowledged on a session must
+// count as unflushed however late its goroutine runs. (Before, it was
+// counted after it released the session, and the volume, which looked at
+// the count as soon as the link was down, took it for flushed: the
+// anonymous FLUSH returned OK.)
 func TestLostDoneLosesNothing(t *testing.T) {
 	for _, host := range []string{"host-1", ""} {
 		t.Run("host="+host, func(t *testing.T) {
@@ -70,8 +80,26 @@ func TestLostDoneLosesNothing(t *testing.T) {
 			fn := faultnet.Wrap(r.p)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
+			lost := make(chan struct{})
+			var once sync.Once
+			var hold atomic.Bool
+			initiator.SetTestHookWriteAcked(func() {
+				if !hold.Load() {
+					return
+				}
+				select {
+				case <-lost:
+				case <-ctx.Done():
+					t.Error("the volume did not handle the loss of its connection")
+				}
+			})
+			defer initiator.SetTestHookWriteAcked(nil)
 			v, err := initiator.Open(ctx, initiator.Options{Provider: fn, Target: r.addr, Export: "vol", HostID: host,
-				ReconnectTimeout: 20 * time.Second})
+				ReconnectTimeout: 20 * time.Second, OnLink: func(up bool, _ int) {
+					if !up {
+						once.Do(func() { close(lost) })
+					}
+				}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -84,10 +112,12 @@ func TestLostDoneLosesNothing(t *testing.T) {
 			}
 			conns := fn.Conns()
 			conns[len(conns)-1].LoseNextSend() // the initiator's side: its next Done
+			hold.Store(true)
 			data := bytes.Repeat([]byte("acked"), 1000)
 			if err := write(t, v, 8192, data, false); err != nil {
 				t.Fatalf("write whose Done is lost: %v", err)
 			}
+			hold.Store(false)
 			err = v.Flush(ctx)
 			if host == "" {
 				if !errors.Is(err, initiator.ErrLostWrites) {

@@ -225,31 +225,51 @@ func (v *Volume) io(ctx context.Context, b *ioBuf, off uint64, write, fua bool) 
 	}
 	v.plan(b, off, n)
 	err := v.retry(ctx, op, b.q, off, func(s *session) error {
-		if s.tryAcquire(b, b.idxs, write) {
-			// The usual case: every chunk is granted; one chain of work
-			// requests does the whole request.
-			return s.rdma(ctx, b, off, off, off+n, write, fua)
+		if err := s.move(ctx, b, off, n, write, fua); err != nil {
+			return err
 		}
-		// Chunk by chunk, holding one grant at a time, so that a request
-		// larger than the target's cache, or many requests at once, always
-		// make progress.
-		cs := uint64(s.info.ChunkSize)
-		for i := range b.idxs {
-			lo, hi := max(off, b.idxs[i]*cs), min(off+n, (b.idxs[i]+1)*cs)
-			if err := s.acquire(ctx, b, b.idxs[i:i+1], write); err != nil {
-				return err
-			}
-			if err := s.rdma(ctx, b, off, lo, hi, write, fua); err != nil {
-				return err
-			}
+		if write {
+			// Counted while s is held: a volume whose link went down
+			// waits for the operations holding its sessions before it
+			// reads the count (supervise), so a write acknowledged on a
+			// lost session is never taken for flushed.
+			v.writes.Add(1)
 		}
 		return nil
 	})
-	if err == nil && write {
-		v.writes.Add(1)
+	if err == nil && write && testHookWriteAcked != nil {
+		testHookWriteAcked()
 	}
 	return err
 }
+
+// move does the RDMA of the request of b at off, n bytes, on s: in one
+// chain when every chunk is granted, else chunk by chunk.
+func (s *session) move(ctx context.Context, b *ioBuf, off, n uint64, write, fua bool) error {
+	if s.tryAcquire(b, b.idxs, write) {
+		// The usual case: every chunk is granted; one chain of work
+		// requests does the whole request.
+		return s.rdma(ctx, b, off, off, off+n, write, fua)
+	}
+	// Chunk by chunk, holding one grant at a time, so that a request
+	// larger than the target's cache, or many requests at once, always
+	// make progress.
+	cs := uint64(s.info.ChunkSize)
+	for i := range b.idxs {
+		lo, hi := max(off, b.idxs[i]*cs), min(off+n, (b.idxs[i]+1)*cs)
+		if err := s.acquire(ctx, b, b.idxs[i:i+1], write); err != nil {
+			return err
+		}
+		if err := s.rdma(ctx, b, off, lo, hi, write, fua); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// testHookWriteAcked, set by tests only, runs when a synchronous write is
+// about to be acknowledged to its caller.
+var testHookWriteAcked func()
 
 // rdma moves the volume range [lo, hi) of the request of b at off, whose
 // grants b.grants holds referenced, and releases them. A write is followed

@@ -36,7 +36,6 @@ func (v *Volume) supervise(set *queueSet) {
 		s := set.qs[0]
 		v.mu.Lock()
 		v.set = nil
-		unflushed := v.writes.Load() > v.flushedAt
 		v.mu.Unlock()
 		v.m.sessions.Set(0)
 		if err := v.Err(); err != nil {
@@ -53,6 +52,13 @@ func (v *Volume) supervise(set *queueSet) {
 		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(linkErr))
 		onLink(false)
 		set.teardown()
+		// Writes are counted while their operation holds its session:
+		// once none holds one of set, every write acknowledged on it is
+		// counted, however late its goroutine runs.
+		settled := v.settle(set)
+		v.mu.Lock()
+		unflushed := !settled || v.writes.Load() > v.flushedAt
+		v.mu.Unlock()
 		if v.opts.ReconnectTimeout < 0 {
 			v.fail(fmt.Errorf("connection to %s lost: %w", v.opts.Target, linkErr))
 			return
@@ -88,6 +94,40 @@ func (v *Volume) supervise(set *queueSet) {
 				zap.Bool("same_target_instance", sameTarget), zap.Int("queues", len(ns.qs)))
 		}
 		set = ns
+	}
+}
+
+// settle waits until no operation holds a session of set, whose links are
+// down (and closed: what is in flight on them ends), at most IOTimeout,
+// and reports whether none does.
+func (v *Volume) settle(set *queueSet) bool {
+	expired := false
+	timer := time.AfterFunc(v.opts.IOTimeout, func() {
+		v.mu.Lock()
+		expired = true
+		v.cond.Broadcast()
+		v.mu.Unlock()
+	})
+	defer timer.Stop()
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, s := range set.qs {
+		s.down = true
+	}
+	for {
+		held := 0
+		for _, s := range set.qs {
+			held += s.inflight
+		}
+		if held == 0 {
+			return true
+		}
+		if expired {
+			v.log.Warn("operations still hold the lost connection: writes since the last flush are taken as unflushed",
+				zap.Int("operations", held), zap.Duration("waited", v.opts.IOTimeout))
+			return false
+		}
+		v.cond.Wait()
 	}
 }
 
@@ -233,7 +273,7 @@ func (v *Volume) putSet(set *queueSet) {
 // release ends a hold on s. v.mu is held.
 func (v *Volume) release(s *session) {
 	s.inflight--
-	if s.inflight == 0 && s.draining {
+	if s.inflight == 0 && (s.draining || s.down) {
 		v.cond.Broadcast()
 	}
 }

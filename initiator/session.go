@@ -33,6 +33,7 @@ type session struct {
 	withInstance bool
 	inflight     int  // operations using the session (v.mu)
 	draining     bool // the target is shutting down: no new operations (v.mu)
+	down         bool // lost: supervise waits for inflight to drop to 0 (v.mu)
 }
 
 // dialTimeout bounds one connection attempt: a connect request lost on a

@@ -108,6 +108,10 @@ func (v *Volume) finish(s *session, b *ioBuf) {
 func (b *ioBuf) OnComplete(err error) {
 	v, s := b.v, b.sess
 	b.sess = nil
+	if err == nil && b.write {
+		// Counted before s is released: see io.
+		v.writes.Add(1)
+	}
 	v.finish(s, b)
 	if err != nil {
 		// The link went down under the chain: done again, the
@@ -117,9 +121,6 @@ func (b *ioBuf) OnComplete(err error) {
 	}
 	n := bufLen(b)
 	v.m.observe(b.write, b.start, len(b.ops), n)
-	if b.write {
-		v.writes.Add(1)
-	}
 	c := b.comp
 	b.comp = nil
 	c.Complete(nil) // b may be freed and reused from here on

@@ -139,7 +139,7 @@ type Volume struct {
 	failed  error         // set when the volume gave up or was closed
 	done    chan struct{} // closed with failed
 
-	writes    atomic.Uint64 // writes acknowledged
+	writes    atomic.Uint64 // writes acknowledged, counted while their session is held
 	flushedAt uint64        // writes covered by the last successful flush (mu)
 	lost      bool          // writes may have been lost with a session (mu)
 
