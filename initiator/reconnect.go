@@ -151,6 +151,10 @@ func (v *Volume) reconnect() (*queueSet, error) {
 			cancel()
 			return set, nil
 		}
+		// An attempt cut short by the deadline says nothing of the target:
+		// the answer of an earlier one (the volume changed, the export is
+		// held, ...) is what the failure reports.
+		cut := errors.Is(ctx.Err(), context.DeadlineExceeded) && lastErr != nil
 		cancel()
 		if errors.Is(err, auth.ErrFailed) || errors.Is(err, protocol.ErrAccess) || errors.Is(err, protocol.ErrNoExport) {
 			// Trying again would not change the answer (an export
@@ -164,7 +168,9 @@ func (v *Volume) reconnect() (*queueSet, error) {
 			// target has not yet found dead: it tries again.)
 			return nil, fmt.Errorf("%w: while reconnecting: %w", ErrFenced, err)
 		}
-		lastErr = err
+		if !cut {
+			lastErr = err
+		}
 		if attempt <= 5 || attempt%10 == 0 {
 			v.log.Info("reconnecting", zap.String("target", v.opts.Target), zap.Int("attempt", attempt), zap.Error(err))
 		}
