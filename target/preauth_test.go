@@ -103,6 +103,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 func TestAuthStartOncePerConnection(t *testing.T) {
 	for _, keys := range []bool{true, false} {
 		t.Run(fmt.Sprintf("keys=%v", keys), func(t *testing.T) {
+			needTCP(t) // (the attacker dials from 127.0.0.2)
 			opts := target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, MaxSessionsPerHost: 2}
 			secret := []byte(nil)
 			if keys {
