@@ -63,7 +63,9 @@
 // A test whose tool is missing (or that needs root and /dev/fuse) skips
 // with the reason, unless RBLK_E2E_REQUIRE=1 is set: then it fails, so
 // that CI (scripts/test.sh sets it) can never pass by skipping; a NOT
-// APPLICABLE is no skip of that kind. RBLK_E2E_RACE=1 builds the binaries
+// APPLICABLE is no skip of that kind. No test skips but through those two
+// (skipOrFail, notApplicable): TestNoSilentSkip fails on a direct t.Skip
+// anywhere in the suite's sources. RBLK_E2E_RACE=1 builds the binaries
 // with the race detector; RBLK_E2E_TAGS adds build tags (rdma is added
 // over rdma); RBLK_E2E_BIN_DIR=DIR uses DIR/rblkd and DIR/rblk-attach as
 // they are instead of building; RBLK_E2E_LOG_DIR=DIR keeps the output of
