@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -70,8 +71,8 @@ func TestAttachInstances(t *testing.T) {
 	nc.mustWrite(t, 0, bytes.Repeat([]byte("A"), 4096))
 
 	sock := "unix:" + filepath.Join(sockDir(t), "nbd.sock")
-	wantCLIError(t, attachBin, []string{`held read-write by another attach of host "e2e-inst"`, "instance " + inst, "from 127.0.0.1:", "since ", "--takeover"},
-		"attach", "--host-id", "e2e-inst", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", sock, "--state-dir", state)
+	wantCLIError(t, attachBin, []string{`held read-write by another attach of host "e2e-inst"`, "instance " + inst, "from " + net.JoinHostPort(localPeer(), ""), "since ", "--takeover"},
+		"attach", "--host-id", "e2e-inst", "--transport", e2eTransport(), "--target", tg.addr, "--export", "vol", "--nbd-listen", sock, "--state-dir", state)
 	// The first goes on: it writes and flushes, and it was not fenced.
 	nc.mustWrite(t, 4096, bytes.Repeat([]byte("B"), 4096))
 	if errno := nc.flush(t); errno != 0 {
@@ -106,44 +107,63 @@ func TestAttachInstances(t *testing.T) {
 }
 
 // TestAttachInstanceReinstates: the same attach coming back is
-// reinstated, not refused. Its link is reset on its side only (rblkd
-// still holds the old session): it reconnects with its instance, rblkd
-// fences the old session and refuses nothing. Then rblkd is killed and
-// started again: it reconnects again. Its instance stays the same, and its
-// IO goes on. (Were the instance made per connection, rblkd would check
-// the old session as another attach's and fence it only seconds later.)
+// reinstated, not refused. Its link goes silent past its keepalive
+// (startFaultLink: the proxy stalls over tcp, rblkd is stopped over rdma):
+// it reconnects with its instance, and rblkd, whether or not it still
+// holds the old session by then, refuses nothing and checks no liveness:
+// it fences the old session as the same attach's if it still holds it.
+// Then rblkd is killed and started again: it reconnects again. Its
+// instance stays the same, and its IO goes on. (Were the instance made per
+// connection, rblkd would check the old session as another attach's and
+// fence it only seconds later.) TestAttachInstanceReinstatesHalfOpen has
+// the old session held for sure.
 func TestAttachInstanceReinstates(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	exports := []string{"vol=" + backing + ",size=4M"}
 	tg := startTarget(t, exports, "--keepalive-timeout", "5m") // the old session would not end by itself
-	px := startProxy(t, tg.addr)
+	link := startFaultLink(t, tg)
 	state := filepath.Join(sockDir(t), "state")
-	a := startAttach(t, viaProxy(tg, px), "vol", "--host-id", "e2e-inst-re", "--state-dir", state, "--reconnect-timeout", "60s")
+	a := startAttach(t, link.target(), "vol", "--host-id", "e2e-inst-re", "--state-dir", state, "--reconnect-timeout", "60s", "--keepalive-timeout", "2s")
 	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
 	nc := dialNBD(t, a.sock, "vol")
 	nc.mustWrite(t, 0, []byte("before"))
 
-	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
+	// The link goes silent until the attach declares it dead, then comes
+	// back: the attach reconnects.
+	link.stallAll(t)
+	err := waitUntil(a.proc, 60*time.Second, func() bool {
+		v, ok := metricSum(scrapeQuiet(a.metrics), "rblk_attach_target_sessions")
+		return ok && v == 0
+	})
+	link.resumeAll(t)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("the silent link: rblk-attach did not declare it dead: %v", err)
 	}
-	c.ResetClientSideOnly()
 	nc.mustWrite(t, 4096, []byte("across a link fault"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH after the link fault: errno %d", errno)
 	}
-	if v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); v != 1 {
-		t.Errorf("rblkd_sessions_fenced_total = %v, want the attach's old session", v)
+	if v := metric(t, a.metrics, "rblk_attach_reconnects_total"); v < 1 {
+		t.Errorf("rblk_attach_reconnects_total = %v after the link fault, want a reconnect", v)
 	}
 	if v := metric(t, tg.metrics, "rblkd_refused_total", `reason="attach_busy"`); v != 0 {
 		t.Errorf(`rblkd_refused_total{reason="attach_busy"} = %v`, v)
 	}
-	// Reinstated as the same attach: not checked as another one would be
-	// (whose check of the old session, which answers nothing here, would
-	// have fenced it too, seconds later).
+	// Reinstated as the same attach: not checked as another one would be.
 	if strings.Contains(tg.out.String(), "checking that this session lives") {
 		t.Errorf("rblkd checked the old session's liveness: it took the reconnect for another attach:\n%s", tg.out.String())
+	}
+	switch v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); {
+	case v == 1:
+		t.Logf("rblkd still held the old session when the attach came back: fenced it")
+		if want := `fenced: host \"e2e-inst-re\" opened export \"vol\" again`; !strings.Contains(tg.out.String(), want) {
+			t.Errorf("rblkd fenced the old session, but not as the same attach's (%s):\n%s", want, tg.out.String())
+		}
+	case v == 0:
+		t.Logf("rblkd had ended the old session when the attach came back")
+	default:
+		t.Errorf("rblkd_sessions_fenced_total = %v, want at most the attach's old session", v)
 	}
 
 	tg.kill9(t)
@@ -171,6 +191,64 @@ func TestAttachInstanceReinstates(t *testing.T) {
 	}
 	if string(file[4096:4096+19]) != "across a link fault" || string(file[8192:8192+16]) != "across a restart" {
 		t.Fatalf("the backing file does not hold the writes made across the faults")
+	}
+}
+
+// TestAttachInstanceReinstatesHalfOpen: the link of an attach is reset on
+// its side only, so that rblkd still holds the old session when the
+// attach comes back: it reconnects with its instance, rblkd fences the old
+// session as the same attach's (one fence), refuses nothing and checks no
+// liveness, and its IO goes on.
+func TestAttachInstanceReinstatesHalfOpen(t *testing.T) {
+	t.Parallel()
+	onlyTransport(t, "tcp", "a half-open link (the attach's side reset, rblkd's still open) is made by the TCP proxy; over rdma the RDMA CM tells rblkd of the attach's "+
+		"disconnect at once, and nothing outside the processes drops it on Soft-RoCE's loopback: TestAttachInstanceReinstates has the attach's return either way")
+	backing := filepath.Join(t.TempDir(), "vol.img")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=4M"}, "--keepalive-timeout", "5m") // the old session would not end by itself
+	px := startProxy(t, tg.addr)
+	state := filepath.Join(sockDir(t), "state")
+	a := startAttach(t, viaProxy(tg, px), "vol", "--host-id", "e2e-inst-half", "--state-dir", state, "--reconnect-timeout", "60s")
+	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
+	nc := dialNBD(t, a.sock, "vol")
+	nc.mustWrite(t, 0, []byte("before"))
+
+	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.ResetClientSideOnly()
+	nc.mustWrite(t, 4096, []byte("across a half-open link"))
+	if errno := nc.flush(t); errno != 0 {
+		t.Fatalf("FLUSH after the link fault: errno %d", errno)
+	}
+	if v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); v != 1 {
+		t.Errorf("rblkd_sessions_fenced_total = %v, want the attach's old session", v)
+	}
+	if want := `fenced: host \"e2e-inst-half\" opened export \"vol\" again`; !strings.Contains(tg.out.String(), want) {
+		t.Errorf("rblkd did not fence the old session as the same attach's (%s):\n%s", want, tg.out.String())
+	}
+	if v := metric(t, tg.metrics, "rblkd_refused_total", `reason="attach_busy"`); v != 0 {
+		t.Errorf(`rblkd_refused_total{reason="attach_busy"} = %v`, v)
+	}
+	// Reinstated as the same attach: not checked as another one would be
+	// (whose check of the old session, which answers nothing here, would
+	// have fenced it too, seconds later).
+	if strings.Contains(tg.out.String(), "checking that this session lives") {
+		t.Errorf("rblkd checked the old session's liveness: it took the reconnect for another attach:\n%s", tg.out.String())
+	}
+	es := attachStatus(t, state)
+	if len(es) != 1 || es[0].Instance != inst || es[0].Reconnects != 1 || es[0].State != "up" {
+		t.Fatalf("status after the reconnect: %+v, want instance %s up with 1 reconnect", es, inst)
+	}
+	nc.close()
+	a.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
+	file, err := os.ReadFile(backing)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(file[4096:4096+23]) != "across a half-open link" {
+		t.Fatalf("the backing file does not hold the write made across the fault")
 	}
 }
 
