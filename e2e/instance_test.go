@@ -31,6 +31,14 @@ func attachIdentity(t *testing.T, state string, pid int) (hostID, instance strin
 	return "", ""
 }
 
+// block is s at the start of a 4 KiB block of zeroes: a write of whole
+// blocks, as the kernel's device takes them (O_DIRECT).
+func block(s string) []byte {
+	b := make([]byte, 4096)
+	copy(b, s)
+	return b
+}
+
 // waitExit waits for p to end by itself and returns its output.
 func waitExit(t *testing.T, p *proc, what string) string {
 	t.Helper()
@@ -127,7 +135,7 @@ func TestAttachInstanceReinstates(t *testing.T) {
 	a := startAttach(t, link.target(), "vol", "--host-id", "e2e-inst-re", "--state-dir", state, "--reconnect-timeout", "60s", "--keepalive-timeout", "2s")
 	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
 	nc := dialNBD(t, a.sock, "vol")
-	nc.mustWrite(t, 0, []byte("before"))
+	nc.mustWrite(t, 0, block("before"))
 
 	// The link goes silent until the attach declares it dead, then comes
 	// back: the attach reconnects.
@@ -140,7 +148,7 @@ func TestAttachInstanceReinstates(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the silent link: rblk-attach did not declare it dead: %v", err)
 	}
-	nc.mustWrite(t, 4096, []byte("across a link fault"))
+	nc.mustWrite(t, 4096, block("across a link fault"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH after the link fault: errno %d", errno)
 	}
@@ -168,7 +176,7 @@ func TestAttachInstanceReinstates(t *testing.T) {
 
 	tg.kill9(t)
 	tg = startTargetOn(t, tg.addr, exports)
-	nc.mustWrite(t, 8192, []byte("across a restart"))
+	nc.mustWrite(t, 8192, block("across a restart"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Logf("first FLUSH after the restart: errno %d (unflushed writes may be reported lost once)", errno)
 		if errno := nc.flush(t); errno != 0 {
@@ -210,14 +218,14 @@ func TestAttachInstanceReinstatesHalfOpen(t *testing.T) {
 	a := startAttach(t, viaProxy(tg, px), "vol", "--host-id", "e2e-inst-half", "--state-dir", state, "--reconnect-timeout", "60s")
 	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
 	nc := dialNBD(t, a.sock, "vol")
-	nc.mustWrite(t, 0, []byte("before"))
+	nc.mustWrite(t, 0, block("before"))
 
 	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c.ResetClientSideOnly()
-	nc.mustWrite(t, 4096, []byte("across a half-open link"))
+	nc.mustWrite(t, 4096, block("across a half-open link"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH after the link fault: errno %d", errno)
 	}
@@ -265,7 +273,7 @@ func TestAttachInstanceCrash(t *testing.T) {
 	state := filepath.Join(sockDir(t), "state")
 	a := startAttach(t, tg, "vol", "--host-id", "e2e-inst-crash", "--state-dir", state, "--reconnect-timeout", "30s")
 	nc := dialNBD(t, a.sock, "vol")
-	nc.mustWrite(t, 0, []byte("first"))
+	nc.mustWrite(t, 0, block("first"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH: errno %d", errno)
 	}
@@ -281,7 +289,7 @@ func TestAttachInstanceCrash(t *testing.T) {
 		t.Errorf("rblkd's log does not say the holder did not answer:\n%s", tg.out.String())
 	}
 	nb := dialNBD(t, b.sock, "vol")
-	nb.mustWrite(t, 4096, []byte("second"))
+	nb.mustWrite(t, 4096, block("second"))
 	if errno := nb.flush(t); errno != 0 {
 		t.Fatalf("FLUSH through the successor: errno %d", errno)
 	}
@@ -297,8 +305,8 @@ func TestAttachInstanceCrash(t *testing.T) {
 	b.kill9(t)
 	c := startAttach(t, tg, "vol", "--host-id", "e2e-inst-crash", "--state-dir", state)
 	ncc := dialNBD(t, c.sock, "vol")
-	if got := ncc.mustRead(t, 0, 4096+6); string(got[:5]) != "first" || string(got[4096:]) != "second" {
-		t.Fatalf("the third attach reads %q, %q", got[:5], got[4096:])
+	if got := ncc.mustRead(t, 0, 8192); !bytes.Equal(got[:4096], block("first")) || !bytes.Equal(got[4096:], block("second")) {
+		t.Fatalf("the third attach reads %q, %q", got[:5], got[4096:4096+6])
 	}
 	ncc.close()
 	c.stop(t, stopTimeout)

@@ -201,7 +201,9 @@ func TestFIFOExport(t *testing.T) {
 // whose initiator is stopped (SIGSTOP; --drain-timeout 5m), an export add
 // of a FIFO is refused at once and export list answers; then SIGTERM ends
 // rblkd within a minute (not after the drain's 5 minutes), with exit 0,
-// and the data written to both exports is in their backing files.
+// and the data written to both exports is in their backing files. rblkd
+// started again, the other export's attach comes back and detaches
+// cleanly.
 func TestAdminNeverHoldsShutdown(t *testing.T) {
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
@@ -255,7 +257,13 @@ func TestAdminNeverHoldsShutdown(t *testing.T) {
 			t.Errorf("%s after the shutdown: %s", c.path, firstDiff(b[c.off:c.off+65536], want))
 		}
 	}
+	// The attach of k lost rblkd and waits for it (its detach flushes the
+	// volume with --device): rblkd back on its address, it reconnects and
+	// then detaches cleanly.
+	tg = startTargetOn(t, tg.addr, nil, "--config", cfg)
+	waitMetric(t, atK.metrics, "rblk_attach_reconnects_total", func(v float64) bool { return v >= 1 }, "a reconnect to rblkd started again")
 	atK.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
 }
 
 // TestFIFOFiles: an auth file, a configuration file, a secret file or a
