@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -92,21 +93,47 @@ type ServerOptions struct {
 type Server struct {
 	path string
 	ln   *net.UnixListener
+	lock *os.File // PATH.lock, locked (flock) while the server lives
 	h    Handler
 	opts ServerOptions
 	log  *zap.Logger
 
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+	closeOnce sync.Once
 }
 
-// ErrInUse: another live process listens on the socket.
+// ErrInUse: another live process listens on the socket, or holds its lock
+// file on the way to it.
 var ErrInUse = errors.New("admin socket in use by another process")
 
+// LockSuffix names the lock file of an admin socket: PATH.lock beside the
+// socket PATH.
+const LockSuffix = ".lock"
+
+// listenHook, if set (by this package's tests), is called at the stages
+// of Listen: "locked" once it holds the lock file, before it binds;
+// "stale" once it found a socket nobody answers on, before it removes it.
+var listenHook func(path, stage string)
+
+func hook(path, stage string) {
+	if listenHook != nil {
+		listenHook(path, stage)
+	}
+}
+
 // Listen creates the socket at path (its directory 0755 if missing, the
-// socket 0600; a stale socket left by a process that died is replaced) and
-// serves h on it until Close.
+// socket 0600) and serves h on it until Close.
+//
+// The path belongs to the process that holds its lock file, PATH.lock
+// (flock, taken without waiting and held until Close; the file itself
+// stays): of two processes that call Listen on one path at once, one gets
+// the lock and the socket, the other ErrInUse at once, whatever the
+// timing. The holder then binds the socket. A socket already there was
+// left by a process that died (it refuses connections: removed, and bound
+// anew) or belongs to a live process that does not take the lock (it
+// accepts a connection: ErrInUse). Anything else at path is refused.
 func Listen(path string, h Handler, opts ServerOptions) (*Server, error) {
 	if opts.Timeout == 0 {
 		opts.Timeout = 10 * time.Minute
@@ -121,20 +148,14 @@ func Listen(path string, h Handler, opts ServerOptions) (*Server, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("admin socket %s: %w", path, err)
 	}
-	if st, err := os.Lstat(path); err == nil {
-		if st.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("admin socket %s: exists and is not a socket", path)
-		}
-		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("admin socket %s: %w", path, ErrInUse)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("admin socket %s: remove the stale socket: %w", path, err)
-		}
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	lock, err := lockFile(path + LockSuffix)
 	if err != nil {
+		return nil, fmt.Errorf("admin socket %s: %w", path, err)
+	}
+	hook(path, "locked")
+	ln, err := bind(path)
+	if err != nil {
+		lock.Close()
 		return nil, fmt.Errorf("admin socket %s: %w", path, err)
 	}
 	ln.SetUnlinkOnClose(true)
@@ -142,24 +163,113 @@ func Listen(path string, h Handler, opts ServerOptions) (*Server, error) {
 	// others all the same.)
 	if err := os.Chmod(path, 0o600); err != nil {
 		ln.Close()
+		lock.Close()
 		return nil, fmt.Errorf("admin socket %s: %w", path, err)
 	}
-	s := &Server{path: path, ln: ln, h: h, opts: opts, log: opts.Logger}
+	s := &Server{path: path, ln: ln, lock: lock, h: h, opts: opts, log: opts.Logger}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.accept()
 	return s, nil
 }
 
+// lockFile opens (creating it 0600) the regular file name and locks it
+// (flock LOCK_EX) without waiting: ErrInUse if another open file holds
+// the lock. It follows no symbolic link and does not block on a FIFO.
+func lockFile(name string) (*os.File, error) {
+	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("lock file: %w", err)
+	}
+	st, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("lock file: %w", err)
+	}
+	if !st.Mode().IsRegular() {
+		f.Close()
+		return nil, fmt.Errorf("lock file %s is not a regular file (%v)", name, st.Mode().Type())
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("lock file: %w", err)
+	}
+	var lerr error
+	if err := rc.Control(func(fd uintptr) {
+		for {
+			lerr = unix.Flock(int(fd), unix.LOCK_EX|unix.LOCK_NB)
+			if !errors.Is(lerr, unix.EINTR) {
+				return
+			}
+		}
+	}); err != nil {
+		lerr = err
+	}
+	switch {
+	case errors.Is(lerr, unix.EWOULDBLOCK):
+		f.Close()
+		return nil, fmt.Errorf("%w: another process holds its lock file %s", ErrInUse, name)
+	case lerr != nil:
+		f.Close()
+		return nil, fmt.Errorf("lock %s: %w", name, lerr)
+	}
+	return f, nil
+}
+
+// bind listens on the unix socket path, whose lock file the caller holds.
+// Something already at path is judged by a connection to it: a socket
+// that refuses it was left by a process that died and is replaced; one
+// that accepts it (or whose backlog is full) is a live process's.
+func bind(path string) (*net.UnixListener, error) {
+	addr := &net.UnixAddr{Name: path, Net: "unix"}
+	for attempt := 0; ; attempt++ {
+		ln, err := net.ListenUnix("unix", addr)
+		if err == nil || !errors.Is(err, syscall.EADDRINUSE) || attempt == 2 {
+			return ln, err
+		}
+		st, lerr := os.Lstat(path)
+		if errors.Is(lerr, fs.ErrNotExist) {
+			continue // gone meanwhile
+		}
+		if lerr != nil {
+			return nil, lerr
+		}
+		if st.Mode()&os.ModeSocket == 0 {
+			return nil, errors.New("exists and is not a socket")
+		}
+		c, derr := net.DialTimeout("unix", path, time.Second)
+		switch {
+		case derr == nil:
+			c.Close()
+			return nil, fmt.Errorf("%w (it answers, and does not take the lock file %s)", ErrInUse, path+LockSuffix)
+		case errors.Is(derr, syscall.EAGAIN):
+			return nil, fmt.Errorf("%w (its backlog is full)", ErrInUse)
+		case errors.Is(derr, syscall.ENOENT):
+			continue
+		case !errors.Is(derr, syscall.ECONNREFUSED):
+			return nil, fmt.Errorf("check the socket there: %w", derr)
+		}
+		hook(path, "stale")
+		if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("remove the stale socket: %w", err)
+		}
+	}
+}
+
 // Path is the socket's path.
 func (s *Server) Path() string { return s.path }
 
 // Close stops accepting, ends the requests in progress (their context is
-// cancelled) and waits for them, and removes the socket.
+// cancelled) and waits for them, removes the socket and then releases
+// its lock file. It is safe to call twice.
 func (s *Server) Close() {
-	s.cancel()
-	s.ln.Close()
-	s.wg.Wait()
+	s.closeOnce.Do(func() {
+		s.cancel()
+		s.ln.Close()
+		s.wg.Wait()
+		s.lock.Close()
+	})
 }
 
 func (s *Server) accept() {

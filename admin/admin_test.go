@@ -120,6 +120,140 @@ func TestStaleAndInUse(t *testing.T) {
 	}
 }
 
+// TestInUseWithoutLock: a live socket of a process that does not take the
+// lock file (an rblkd of before it) is refused, and keeps answering;
+// anything but a socket at the path is refused and left alone; so is a
+// lock file that is not a regular file.
+func TestInUseWithoutLock(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t) })
+	dir := t.TempDir()
+	live := filepath.Join(dir, "live.sock")
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: live, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if _, err := admin.Listen(live, nil, admin.ServerOptions{}); !errors.Is(err, admin.ErrInUse) || !strings.Contains(err.Error(), "it answers") {
+		t.Fatalf("Listen over a live socket without its lock: %v, want ErrInUse saying it answers", err)
+	}
+	if c, err := net.Dial("unix", live); err != nil {
+		t.Fatalf("the live socket after the refused Listen: %v", err)
+	} else {
+		c.Close()
+	}
+
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Listen(file, nil, admin.ServerOptions{}); err == nil || errors.Is(err, admin.ErrInUse) || !strings.Contains(err.Error(), "not a socket") {
+		t.Fatalf("Listen over a regular file: %v, want it refused as not a socket", err)
+	}
+	if b, err := os.ReadFile(file); err != nil || string(b) != "x" {
+		t.Fatalf("the regular file after the refused Listen: %q, %v", b, err)
+	}
+
+	fifo := filepath.Join(dir, "fifo.sock")
+	if err := syscall.Mkfifo(fifo+admin.LockSuffix, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Listen(fifo, nil, admin.ServerOptions{}); err == nil || !strings.Contains(err.Error(), "not a regular file") {
+		t.Fatalf("Listen with a FIFO as its lock file: %v, want it refused", err)
+	}
+	link := filepath.Join(dir, "link.sock")
+	if err := os.Symlink(file, link+admin.LockSuffix); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Listen(link, nil, admin.ServerOptions{}); err == nil || !errors.Is(err, syscall.ELOOP) {
+		t.Fatalf("Listen with a symbolic link as its lock file: %v, want ELOOP", err)
+	}
+}
+
+// TestListenAtOnce: two Listens of one path at once. The first is held
+// (by the test's hook) between taking the path and binding the socket,
+// the race's window; the second, meanwhile, is refused at once with
+// ErrInUse, and the first then binds and serves. Then, with the path
+// free again (Close), a third gets it. The same over a stale socket left
+// by a process that died: whoever holds the path replaces it, the other
+// neither removes the first's socket nor binds its own.
+func TestListenAtOnce(t *testing.T) {
+	t.Cleanup(func() { goleak.VerifyNone(t) })
+	ok := func(context.Context, admin.Request) admin.Response { return admin.Response{OK: true} }
+	for _, stale := range []bool{false, true} {
+		dir := t.TempDir()
+		path := filepath.Join(dir, "rblkd.sock")
+		if stale {
+			l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			l.SetUnlinkOnClose(false)
+			l.Close()
+		}
+		var held atomic.Bool
+		inWindow, release := make(chan struct{}), make(chan struct{})
+		restore := admin.SetListenHook(func(p, stage string) {
+			if p == path && held.CompareAndSwap(false, true) {
+				close(inWindow)
+				<-release
+			}
+		})
+		type result struct {
+			s   *admin.Server
+			err error
+		}
+		first := make(chan result, 1)
+		go func() {
+			s, err := admin.Listen(path, ok, admin.ServerOptions{})
+			first <- result{s, err}
+		}()
+		<-inWindow
+		second := make(chan result, 1)
+		go func() {
+			s, err := admin.Listen(path, ok, admin.ServerOptions{})
+			second <- result{s, err}
+		}()
+		var r2 result
+		select {
+		case r2 = <-second:
+		case <-time.After(30 * time.Second):
+			close(release)
+			t.Fatalf("stale %v: the second Listen waits for the first", stale)
+		}
+		close(release)
+		r1 := <-first
+		restore()
+		if r2.err == nil {
+			r2.s.Close()
+		}
+		if r1.err != nil {
+			t.Fatalf("stale %v: the first Listen, held in its window: %v", stale, r1.err)
+		}
+		if !errors.Is(r2.err, admin.ErrInUse) || !strings.Contains(r2.err.Error(), path) {
+			t.Errorf("stale %v: the second Listen, during the first's: %v, want ErrInUse naming %s", stale, r2.err, path)
+		}
+		if _, err := admin.Do(context.Background(), path, admin.Request{Command: admin.CmdList}); err != nil {
+			t.Errorf("stale %v: the first's socket: %v", stale, err)
+		}
+		if _, err := admin.Listen(path, ok, admin.ServerOptions{}); !errors.Is(err, admin.ErrInUse) {
+			t.Errorf("stale %v: a Listen while the first serves: %v, want ErrInUse", stale, err)
+		}
+		r1.s.Close()
+		r1.s.Close() // safe twice
+		if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("stale %v: the socket after Close: %v, want it removed", stale, err)
+		}
+		s3, err := admin.Listen(path, ok, admin.ServerOptions{})
+		if err != nil {
+			t.Fatalf("stale %v: Listen after the first closed: %v", stale, err)
+		}
+		if _, err := admin.Do(context.Background(), path, admin.Request{Command: admin.CmdList}); err != nil {
+			t.Errorf("stale %v: the third's socket: %v", stale, err)
+		}
+		s3.Close()
+	}
+}
+
 // TestNonRootRefused: a process of another user (this test's thread with
 // its user switched) is refused by the peer check, even when the socket's
 // mode lets it connect; the handler never runs.

@@ -45,9 +45,11 @@
 // A test that cannot run on a combination says why in its code: the TCP
 // proxy cannot sit in an RDMA path (onlyTransport: its held-back bytes and
 // late frames are tcp-only, its stall becomes rblkd stopped with SIGSTOP
-// and its reset a silence past the keepalive: faultLink, silenceTarget),
-// malformed frames of the software transport, the NBD server's flags that
-// only a userspace client sees (needSocket). Such a test ends as NOT
+// and its reset a silence past the keepalive: faultLink, silenceTarget;
+// a half-open link, reset on the attach's side only, is the proxy's too),
+// malformed frames and silent streams (before their connect request) of
+// the software transport, the NBD server's flags that only a userspace
+// client sees (needSocket). Such a test ends as NOT
 // APPLICABLE with its reason (notApplicable), and TestMain lists them.
 //
 // For tests added here: start daemons with startTarget, startTargetOn and
@@ -56,14 +58,19 @@
 // qemu-io, qemu-img and nbdfuse at attacher.uri, fio at fioTarget(uri), and
 // the raw NBD client at dialNBD(t, attacher.sock, name): each works on both
 // devices. Break a link with startFaultLink, not the proxy itself, unless
-// the test is tcp-only (then say so with onlyTransport).
+// the test is tcp-only (then say so with onlyTransport). A raw client of
+// rblkd (link.Dial, rawAuth) takes clientProvider: over tcp it plays
+// another host from another loopback address, over rdma it has rblkd's
+// own address, as every process of rblkd's host does (localPeer).
 //
 // # Other settings
 //
 // A test whose tool is missing (or that needs root and /dev/fuse) skips
 // with the reason, unless RBLK_E2E_REQUIRE=1 is set: then it fails, so
 // that CI (scripts/test.sh sets it) can never pass by skipping; a NOT
-// APPLICABLE is no skip of that kind. RBLK_E2E_RACE=1 builds the binaries
+// APPLICABLE is no skip of that kind. No test skips but through those two
+// (skipOrFail, notApplicable): TestNoSilentSkip fails on a direct t.Skip
+// anywhere in the suite's sources. RBLK_E2E_RACE=1 builds the binaries
 // with the race detector; RBLK_E2E_TAGS adds build tags (rdma is added
 // over rdma); RBLK_E2E_BIN_DIR=DIR uses DIR/rblkd and DIR/rblk-attach as
 // they are instead of building; RBLK_E2E_LOG_DIR=DIR keeps the output of

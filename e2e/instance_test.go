@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -28,6 +29,14 @@ func attachIdentity(t *testing.T, state string, pid int) (hostID, instance strin
 	}
 	t.Fatalf("status does not list pid %d", pid)
 	return "", ""
+}
+
+// block is s at the start of a 4 KiB block of zeroes: a write of whole
+// blocks, as the kernel's device takes them (O_DIRECT).
+func block(s string) []byte {
+	b := make([]byte, 4096)
+	copy(b, s)
+	return b
 }
 
 // waitExit waits for p to end by itself and returns its output.
@@ -70,8 +79,8 @@ func TestAttachInstances(t *testing.T) {
 	nc.mustWrite(t, 0, bytes.Repeat([]byte("A"), 4096))
 
 	sock := "unix:" + filepath.Join(sockDir(t), "nbd.sock")
-	wantCLIError(t, attachBin, []string{`held read-write by another attach of host "e2e-inst"`, "instance " + inst, "from 127.0.0.1:", "since ", "--takeover"},
-		"attach", "--host-id", "e2e-inst", "--transport", "tcp", "--target", tg.addr, "--export", "vol", "--nbd-listen", sock, "--state-dir", state)
+	wantCLIError(t, attachBin, []string{`held read-write by another attach of host "e2e-inst"`, "instance " + inst, "from " + net.JoinHostPort(localPeer(), ""), "since ", "--takeover"},
+		"attach", "--host-id", "e2e-inst", "--transport", e2eTransport(), "--target", tg.addr, "--export", "vol", "--nbd-listen", sock, "--state-dir", state)
 	// The first goes on: it writes and flushes, and it was not fenced.
 	nc.mustWrite(t, 4096, bytes.Repeat([]byte("B"), 4096))
 	if errno := nc.flush(t); errno != 0 {
@@ -106,49 +115,68 @@ func TestAttachInstances(t *testing.T) {
 }
 
 // TestAttachInstanceReinstates: the same attach coming back is
-// reinstated, not refused. Its link is reset on its side only (rblkd
-// still holds the old session): it reconnects with its instance, rblkd
-// fences the old session and refuses nothing. Then rblkd is killed and
-// started again: it reconnects again. Its instance stays the same, and its
-// IO goes on. (Were the instance made per connection, rblkd would check
-// the old session as another attach's and fence it only seconds later.)
+// reinstated, not refused. Its link goes silent past its keepalive
+// (startFaultLink: the proxy stalls over tcp, rblkd is stopped over rdma):
+// it reconnects with its instance, and rblkd, whether or not it still
+// holds the old session by then, refuses nothing and checks no liveness:
+// it fences the old session as the same attach's if it still holds it.
+// Then rblkd is killed and started again: it reconnects again. Its
+// instance stays the same, and its IO goes on. (Were the instance made per
+// connection, rblkd would check the old session as another attach's and
+// fence it only seconds later.) TestAttachInstanceReinstatesHalfOpen has
+// the old session held for sure.
 func TestAttachInstanceReinstates(t *testing.T) {
 	t.Parallel()
 	backing := filepath.Join(t.TempDir(), "vol.img")
 	exports := []string{"vol=" + backing + ",size=4M"}
 	tg := startTarget(t, exports, "--keepalive-timeout", "5m") // the old session would not end by itself
-	px := startProxy(t, tg.addr)
+	link := startFaultLink(t, tg)
 	state := filepath.Join(sockDir(t), "state")
-	a := startAttach(t, viaProxy(tg, px), "vol", "--host-id", "e2e-inst-re", "--state-dir", state, "--reconnect-timeout", "60s")
+	a := startAttach(t, link.target(), "vol", "--host-id", "e2e-inst-re", "--state-dir", state, "--reconnect-timeout", "60s", "--keepalive-timeout", "2s")
 	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
 	nc := dialNBD(t, a.sock, "vol")
-	nc.mustWrite(t, 0, []byte("before"))
+	nc.mustWrite(t, 0, block("before"))
 
-	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
+	// The link goes silent until the attach declares it dead, then comes
+	// back: the attach reconnects.
+	link.stallAll(t)
+	err := waitUntil(a.proc, 60*time.Second, func() bool {
+		v, ok := metricSum(scrapeQuiet(a.metrics), "rblk_attach_target_sessions")
+		return ok && v == 0
+	})
+	link.resumeAll(t)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("the silent link: rblk-attach did not declare it dead: %v", err)
 	}
-	c.ResetClientSideOnly()
-	nc.mustWrite(t, 4096, []byte("across a link fault"))
+	nc.mustWrite(t, 4096, block("across a link fault"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH after the link fault: errno %d", errno)
 	}
-	if v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); v != 1 {
-		t.Errorf("rblkd_sessions_fenced_total = %v, want the attach's old session", v)
+	if v := metric(t, a.metrics, "rblk_attach_reconnects_total"); v < 1 {
+		t.Errorf("rblk_attach_reconnects_total = %v after the link fault, want a reconnect", v)
 	}
 	if v := metric(t, tg.metrics, "rblkd_refused_total", `reason="attach_busy"`); v != 0 {
 		t.Errorf(`rblkd_refused_total{reason="attach_busy"} = %v`, v)
 	}
-	// Reinstated as the same attach: not checked as another one would be
-	// (whose check of the old session, which answers nothing here, would
-	// have fenced it too, seconds later).
+	// Reinstated as the same attach: not checked as another one would be.
 	if strings.Contains(tg.out.String(), "checking that this session lives") {
 		t.Errorf("rblkd checked the old session's liveness: it took the reconnect for another attach:\n%s", tg.out.String())
+	}
+	switch v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); {
+	case v == 1:
+		t.Logf("rblkd still held the old session when the attach came back: fenced it")
+		if want := `fenced: host \"e2e-inst-re\" opened export \"vol\" again`; !strings.Contains(tg.out.String(), want) {
+			t.Errorf("rblkd fenced the old session, but not as the same attach's (%s):\n%s", want, tg.out.String())
+		}
+	case v == 0:
+		t.Logf("rblkd had ended the old session when the attach came back")
+	default:
+		t.Errorf("rblkd_sessions_fenced_total = %v, want at most the attach's old session", v)
 	}
 
 	tg.kill9(t)
 	tg = startTargetOn(t, tg.addr, exports)
-	nc.mustWrite(t, 8192, []byte("across a restart"))
+	nc.mustWrite(t, 8192, block("across a restart"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Logf("first FLUSH after the restart: errno %d (unflushed writes may be reported lost once)", errno)
 		if errno := nc.flush(t); errno != 0 {
@@ -174,6 +202,64 @@ func TestAttachInstanceReinstates(t *testing.T) {
 	}
 }
 
+// TestAttachInstanceReinstatesHalfOpen: the link of an attach is reset on
+// its side only, so that rblkd still holds the old session when the
+// attach comes back: it reconnects with its instance, rblkd fences the old
+// session as the same attach's (one fence), refuses nothing and checks no
+// liveness, and its IO goes on.
+func TestAttachInstanceReinstatesHalfOpen(t *testing.T) {
+	t.Parallel()
+	onlyTransport(t, "tcp", "a half-open link (the attach's side reset, rblkd's still open) is made by the TCP proxy; over rdma the RDMA CM tells rblkd of the attach's "+
+		"disconnect at once, and nothing outside the processes drops it on Soft-RoCE's loopback: TestAttachInstanceReinstates has the attach's return either way")
+	backing := filepath.Join(t.TempDir(), "vol.img")
+	tg := startTarget(t, []string{"vol=" + backing + ",size=4M"}, "--keepalive-timeout", "5m") // the old session would not end by itself
+	px := startProxy(t, tg.addr)
+	state := filepath.Join(sockDir(t), "state")
+	a := startAttach(t, viaProxy(tg, px), "vol", "--host-id", "e2e-inst-half", "--state-dir", state, "--reconnect-timeout", "60s")
+	_, inst := attachIdentity(t, state, a.cmd.Process.Pid)
+	nc := dialNBD(t, a.sock, "vol")
+	nc.mustWrite(t, 0, block("before"))
+
+	c, err := px.WaitConn(ctxFor(t, 10*time.Second), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.ResetClientSideOnly()
+	nc.mustWrite(t, 4096, block("across a half-open link"))
+	if errno := nc.flush(t); errno != 0 {
+		t.Fatalf("FLUSH after the link fault: errno %d", errno)
+	}
+	if v := metric(t, tg.metrics, "rblkd_sessions_fenced_total"); v != 1 {
+		t.Errorf("rblkd_sessions_fenced_total = %v, want the attach's old session", v)
+	}
+	if want := `fenced: host \"e2e-inst-half\" opened export \"vol\" again`; !strings.Contains(tg.out.String(), want) {
+		t.Errorf("rblkd did not fence the old session as the same attach's (%s):\n%s", want, tg.out.String())
+	}
+	if v := metric(t, tg.metrics, "rblkd_refused_total", `reason="attach_busy"`); v != 0 {
+		t.Errorf(`rblkd_refused_total{reason="attach_busy"} = %v`, v)
+	}
+	// Reinstated as the same attach: not checked as another one would be
+	// (whose check of the old session, which answers nothing here, would
+	// have fenced it too, seconds later).
+	if strings.Contains(tg.out.String(), "checking that this session lives") {
+		t.Errorf("rblkd checked the old session's liveness: it took the reconnect for another attach:\n%s", tg.out.String())
+	}
+	es := attachStatus(t, state)
+	if len(es) != 1 || es[0].Instance != inst || es[0].Reconnects != 1 || es[0].State != "up" {
+		t.Fatalf("status after the reconnect: %+v, want instance %s up with 1 reconnect", es, inst)
+	}
+	nc.close()
+	a.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
+	file, err := os.ReadFile(backing)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(file[4096:4096+23]) != "across a half-open link" {
+		t.Fatalf("the backing file does not hold the write made across the fault")
+	}
+}
+
 // TestAttachInstanceCrash: the holder's process stops (SIGSTOP: its
 // connection is up, it answers nothing). Another attach of the host gets
 // the export without --takeover, after rblkd's liveness check (5 s) and
@@ -187,7 +273,7 @@ func TestAttachInstanceCrash(t *testing.T) {
 	state := filepath.Join(sockDir(t), "state")
 	a := startAttach(t, tg, "vol", "--host-id", "e2e-inst-crash", "--state-dir", state, "--reconnect-timeout", "30s")
 	nc := dialNBD(t, a.sock, "vol")
-	nc.mustWrite(t, 0, []byte("first"))
+	nc.mustWrite(t, 0, block("first"))
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("FLUSH: errno %d", errno)
 	}
@@ -203,7 +289,7 @@ func TestAttachInstanceCrash(t *testing.T) {
 		t.Errorf("rblkd's log does not say the holder did not answer:\n%s", tg.out.String())
 	}
 	nb := dialNBD(t, b.sock, "vol")
-	nb.mustWrite(t, 4096, []byte("second"))
+	nb.mustWrite(t, 4096, block("second"))
 	if errno := nb.flush(t); errno != 0 {
 		t.Fatalf("FLUSH through the successor: errno %d", errno)
 	}
@@ -219,8 +305,8 @@ func TestAttachInstanceCrash(t *testing.T) {
 	b.kill9(t)
 	c := startAttach(t, tg, "vol", "--host-id", "e2e-inst-crash", "--state-dir", state)
 	ncc := dialNBD(t, c.sock, "vol")
-	if got := ncc.mustRead(t, 0, 4096+6); string(got[:5]) != "first" || string(got[4096:]) != "second" {
-		t.Fatalf("the third attach reads %q, %q", got[:5], got[4096:])
+	if got := ncc.mustRead(t, 0, 8192); !bytes.Equal(got[:4096], block("first")) || !bytes.Equal(got[4096:], block("second")) {
+		t.Fatalf("the third attach reads %q, %q", got[:5], got[4096:4096+6])
 	}
 	ncc.close()
 	c.stop(t, stopTimeout)

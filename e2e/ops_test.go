@@ -68,14 +68,15 @@ func notifyLines(msg string) map[string]string {
 }
 
 // TestSystemdNotify runs rblkd and rblk-attach as systemd's Type=notify
-// would: READY=1 must come only once they serve (the port accepts, /metrics
-// answers, the NBD socket greets), STOPPING=1 on SIGTERM.
+// would: READY=1 must come only once they serve (an initiator's first
+// connection gets in, over tcp the port accepts; /metrics answers; the NBD
+// socket greets), STOPPING=1 on SIGTERM. On the run's transport: rblkd's
+// listener is the transport's own.
 func TestSystemdNotify(t *testing.T) {
 	t.Parallel()
-	onlyTransport(t, "tcp", "systemd's protocol is the same on every transport, and READY=1 is proven by a TCP connection to rblkd's port")
 	dir := t.TempDir()
 	ns := newNotifySocket(t)
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	addr := hostPort(freePort(t))
 	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	cfg := filepath.Join(dir, "rblkd.yaml")
 	writeConfig := func(exports ...string) {
@@ -89,18 +90,22 @@ func TestSystemdNotify(t *testing.T) {
 		}
 	}
 	writeConfig("vol0")
-	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, "serve", "--transport", "tcp", "--listen", addr,
-		"--metrics-listen", metrics, "--config", cfg, "--admin-socket", "")
+	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, serveArgs(addr, metrics, nil, []string{"--config", cfg, "--admin-socket", ""})...)
 	msg := notifyLines(ns.wait(t, p, 30*time.Second))
 	if msg["READY"] != "1" {
 		t.Fatalf("rblkd's first notification %v, want READY=1", msg)
 	}
 	// Ready means ready: no polling from here on.
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-	if err != nil {
-		t.Fatalf("rblkd sent READY=1, but %s does not accept: %v", addr, err)
+	if e2e.transport == "tcp" {
+		c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+		if err != nil {
+			t.Fatalf("rblkd sent READY=1, but %s does not accept: %v", addr, err)
+		}
+		c.Close()
 	}
-	c.Close()
+	if r := run(t, 30*time.Second, attachBin, "list", "--host-id", "e2e-notify", "--transport", e2eTransport(), "--target", addr); r.code != 0 || !strings.Contains(r.stdout, "vol0") {
+		t.Fatalf("rblkd sent READY=1, but its first list does not get in: %s", r)
+	}
 	if !httpOK("http://" + metrics + "/metrics") {
 		t.Fatalf("rblkd sent READY=1, but http://%s/metrics does not answer", metrics)
 	}
@@ -126,7 +131,7 @@ func TestSystemdNotify(t *testing.T) {
 	// rblk-attach: READY=1 once its NBD socket serves.
 	ans := newNotifySocket(t)
 	sock := filepath.Join(sockDir(t), "nbd.sock")
-	a := startProcEnv(t, "rblk-attach", ans.env(), attachBin, "attach", "--transport", "tcp", "--target", addr,
+	a := startProcEnv(t, "rblk-attach", ans.env(), attachBin, "attach", "--transport", e2eTransport(), "--target", addr,
 		"--export", "vol0", "--nbd-listen", "unix:"+sock, "--host-id", "e2e-notify", "--state-dir", "")
 	amsg := notifyLines(ans.wait(t, a, 30*time.Second))
 	if amsg["READY"] != "1" {

@@ -15,16 +15,15 @@ import (
 // that blocks (a FIFO waiting for a writer) shows as a timeout.
 const refuseWithin = 20 * time.Second
 
-// startNotifyTarget starts rblkd serve --transport tcp with args as
-// systemd's Type=notify would (with $NOTIFY_SOCKET), and waits for its
-// READY=1.
+// startNotifyTarget starts rblkd serve on the run's transport and
+// address (serveArgs) with args, as systemd's Type=notify would (with
+// $NOTIFY_SOCKET), and waits for its READY=1.
 func startNotifyTarget(t *testing.T, args ...string) (*target, *notifySocket) {
 	t.Helper()
 	ns := newNotifySocket(t)
-	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	addr := hostPort(freePort(t))
 	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, append([]string{"serve", "--transport", "tcp", "--listen", addr,
-		"--metrics-listen", metrics}, args...)...)
+	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, serveArgs(addr, metrics, nil, args)...)
 	if msg := notifyLines(ns.wait(t, p, 30*time.Second)); msg["READY"] != "1" {
 		t.Fatalf("rblkd's first notification %v, want READY=1\n%s", msg, p.out.String())
 	}
@@ -46,6 +45,13 @@ func (tg *target) hupStatus(t *testing.T, ns *notifySocket) string {
 		t.Fatalf("notification after the reload %v, want READY=1", got)
 	}
 	return got["STATUS"]
+}
+
+// refusedServeArgs is the command line of an rblkd serve that must be
+// refused before it serves: on the run's transport and address (port 0),
+// with no admin socket unless extra names one (serveArgs).
+func refusedServeArgs(exports []string, extra ...string) []string {
+	return serveArgs(hostPort(0), "127.0.0.1:0", exports, extra)
 }
 
 // mkfifo makes a FIFO (mode 0600) in dir.
@@ -81,8 +87,8 @@ func TestReloadHalfWritten(t *testing.T) {
 	tg, ns := startNotifyTarget(t, "--config", cfg)
 	atA := startAttach(t, tg, "a")
 	atB := startAttach(t, tg, "b")
-	fio := startFio(t, "--name=half-written", "--ioengine=nbd", "--uri="+atA.uri("a"), "--rw=randwrite", "--bs=4k",
-		"--iodepth=8", "--size=24M", "--loops=4", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0")
+	fio := startFio(t, append(append([]string{"--name=half-written"}, fioTarget(atA.uri("a"))...), "--rw=randwrite", "--bs=4k",
+		"--iodepth=8", "--size=24M", "--loops=4", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0")...)
 	waitMetric(t, atA.metrics, "rblk_attach_rdma_ops_total", func(v float64) bool { return v >= 200 }, ">= 200")
 
 	g := string(good)
@@ -160,7 +166,7 @@ func TestFIFOExport(t *testing.T) {
 	fifo := mkfifo(t, dir, "fifo")
 	want := fifo + " is a FIFO: want a regular file or a block device"
 	for _, opt := range []string{",ro", ""} {
-		r := runWithin(t, refuseWithin, rblkdBin, "serve", "--transport", "tcp", "--listen", "127.0.0.1:0", "--admin-socket", "", "--export", "p="+fifo+opt)
+		r := runWithin(t, refuseWithin, rblkdBin, refusedServeArgs([]string{"p=" + fifo + opt})...)
 		switch {
 		case r == nil:
 			t.Errorf("rblkd serve --export p=FIFO%s: still running after %v (blocked in open?)", opt, refuseWithin)
@@ -195,7 +201,9 @@ func TestFIFOExport(t *testing.T) {
 // whose initiator is stopped (SIGSTOP; --drain-timeout 5m), an export add
 // of a FIFO is refused at once and export list answers; then SIGTERM ends
 // rblkd within a minute (not after the drain's 5 minutes), with exit 0,
-// and the data written to both exports is in their backing files.
+// and the data written to both exports is in their backing files. rblkd
+// started again, the other export's attach comes back and detaches
+// cleanly.
 func TestAdminNeverHoldsShutdown(t *testing.T) {
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
@@ -249,7 +257,13 @@ func TestAdminNeverHoldsShutdown(t *testing.T) {
 			t.Errorf("%s after the shutdown: %s", c.path, firstDiff(b[c.off:c.off+65536], want))
 		}
 	}
+	// The attach of k lost rblkd and waits for it (its detach flushes the
+	// volume with --device): rblkd back on its address, it reconnects and
+	// then detaches cleanly.
+	tg = startTargetOn(t, tg.addr, nil, "--config", cfg)
+	waitMetric(t, atK.metrics, "rblk_attach_reconnects_total", func(v float64) bool { return v >= 1 }, "a reconnect to rblkd started again")
 	atK.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
 }
 
 // TestFIFOFiles: an auth file, a configuration file, a secret file or a
@@ -268,14 +282,12 @@ func TestFIFOFiles(t *testing.T) {
 		args []string
 		want string
 	}{
-		{"auth file", rblkdBin, []string{"serve", "--transport", "tcp", "--listen", "127.0.0.1:0", "--admin-socket", "", "--export", "v=" + img + ",size=1M",
-			"--auth-file", fifo}, "--auth-file: auth file: " + is},
-		{"configuration file", rblkdBin, []string{"serve", "--transport", "tcp", "--listen", "127.0.0.1:0", "--admin-socket", "", "--config", fifo},
-			"--config: read config: " + is},
-		{"doctor's configuration file", rblkdBin, []string{"doctor", "--transport", "tcp", "--config", fifo}, "--config: read config: " + is},
-		{"secret file", attachBin, []string{"attach", "--transport", "tcp", "--target", "127.0.0.1:1", "--export", "v", "--host-id", "h",
+		{"auth file", rblkdBin, refusedServeArgs([]string{"v=" + img + ",size=1M"}, "--auth-file", fifo), "--auth-file: auth file: " + is},
+		{"configuration file", rblkdBin, refusedServeArgs(nil, "--admin-socket", "", "--config", fifo), "--config: read config: " + is},
+		{"doctor's configuration file", rblkdBin, []string{"doctor", "--transport", e2eTransport(), "--config", fifo}, "--config: read config: " + is},
+		{"secret file", attachBin, []string{"attach", "--transport", e2eTransport(), "--target", hostPort(1), "--export", "v", "--host-id", "h",
 			"--nbd-listen", nbd, "--state-dir", filepath.Join(dir, "state"), "--secret-file", fifo}, "--secret-file: secret file: " + is},
-		{"host ID file", attachBin, []string{"attach", "--transport", "tcp", "--target", "127.0.0.1:1", "--export", "v",
+		{"host ID file", attachBin, []string{"attach", "--transport", e2eTransport(), "--target", hostPort(1), "--export", "v",
 			"--nbd-listen", nbd, "--state-dir", filepath.Join(dir, "state"), "--host-id-file", fifo}, "host ID file: " + is},
 	} {
 		r := runWithin(t, refuseWithin, c.bin, c.args...)
@@ -319,8 +331,7 @@ func TestSameFileExports(t *testing.T) {
 		{"linked folder", filepath.Join(dirLink, "a.img")}}
 	same := func(p string) string { return p + ` is the same file as export "a" (` + img + `)` }
 	for _, n := range names {
-		r := runWithin(t, refuseWithin, rblkdBin, "serve", "--transport", "tcp", "--listen", "127.0.0.1:0", "--admin-socket", "",
-			"--export", "a="+img, "--export", "b="+n.path)
+		r := runWithin(t, refuseWithin, rblkdBin, refusedServeArgs([]string{"a=" + img, "b=" + n.path})...)
 		switch {
 		case r == nil:
 			t.Errorf("rblkd serve with a second export by a %s: it served both", n.how)

@@ -59,13 +59,13 @@ func TestAuthFilePermissions(t *testing.T) {
 	img := writeFile(t, dir, "vol.img", strings.Repeat("\x00", 1<<20), 0o600)
 	loose := writeFile(t, dir, "auth", "host-a "+e2eSecretA+"\n", 0o644)
 	wantCLIError(t, rblkdBin, []string{"--auth-file", "readable by group or others", "chmod 600"},
-		"serve", "--transport", "tcp", "--listen", fmt.Sprintf("127.0.0.1:%d", freePort(t)), "--export", "vol="+img, "--auth-file", loose)
+		"serve", "--transport", e2eTransport(), "--listen", hostPort(freePort(t)), "--export", "vol="+img, "--auth-file", loose)
 	looseSecret := writeFile(t, dir, "a.secret", e2eSecretA, 0o640)
 	wantCLIError(t, attachBin, []string{"--secret-file", "readable by group or others"},
-		"attach", "--host-id", "host-a", "--secret-file", looseSecret, "--transport", "tcp", "--target", "127.0.0.1:1", "--export", "vol",
+		"attach", "--host-id", "host-a", "--secret-file", looseSecret, "--transport", e2eTransport(), "--target", hostPort(1), "--export", "vol",
 		"--nbd-listen", "unix:"+filepath.Join(sockDir(t), "nbd.sock"))
 	wantCLIError(t, attachBin, []string{"--secret-file", "readable by group or others"},
-		"list", "--host-id", "host-a", "--secret-file", looseSecret, "--transport", "tcp", "--target", "127.0.0.1:1")
+		"list", "--host-id", "host-a", "--secret-file", looseSecret, "--transport", e2eTransport(), "--target", hostPort(1))
 }
 
 // TestUnauthenticatedOnlyOnLoopback: without --auth-file rblkd serves only

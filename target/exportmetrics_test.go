@@ -142,6 +142,10 @@ func TestExportMetrics(t *testing.T) {
 		t.Fatal(err)
 	}
 	disk.FailWrites(errDisk)
+	// Each write-back attempt takes 20 ms: the background write-back,
+	// which retries a failed chunk every WritebackDelay, holds it off the
+	// queue that long each time (see the wait below).
+	disk.SetDelays(20*time.Millisecond, 0)
 	done := &protocol.Done{Handle: c.info.Handle, Generation: c.info.Generation, Ranges: []protocol.Range{{Offset: chunk + 4096, Length: uint64(len(data))}}}
 	if err := c.Send(lctx, 0, done); err != nil {
 		t.Fatal(err)
@@ -162,7 +166,11 @@ func TestExportMetrics(t *testing.T) {
 	want("rblkd_export_cache_bytes", "b", 0)
 	want("rblkd_export_sessions", "a", 1)
 	want("rblkd_export_sessions", "b", 0)
-	want("rblkd_writeback_queued_chunks", "a", 1)
+	// The failed write-back put the chunk back on the queue. The
+	// background write-back retries it meanwhile, taking it off the queue
+	// for the length of each attempt (which puts it back as it fails):
+	// wait until it is queued instead of sampling one moment.
+	waitSeries(t, reg, "rblkd_writeback_queued_chunks", "a", 1)
 	want("rblkd_writeback_bytes_total", "a", 0)
 	if lag, _ := series(t, reg, "rblkd_writeback_lag_seconds", "a"); lag <= 0 {
 		t.Errorf("write-back lag of a = %v after a failed write-back, want > 0", lag)
@@ -193,6 +201,23 @@ func TestExportMetrics(t *testing.T) {
 		t.Errorf("rblkd_writeback_bytes_total{export=a} = %v, want >= %d", wb, len(data))
 	}
 	want("rblkd_writeback_bytes_total", "b", 0)
+}
+
+// waitSeries polls name{export=export} in reg until it is v, failing t
+// after 10 seconds.
+func waitSeries(t *testing.T, reg *prometheus.Registry, name, export string, v float64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got, ok := series(t, reg, name, export)
+		if ok && got == v {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s{export=%q} = %v (present: %v) for 10s, want %v", name, export, got, ok, v)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 var errDisk = errors.New("disk failure injected by the test")
