@@ -69,12 +69,11 @@ func TestFaultSlowDiskFlushReachesFile(t *testing.T) {
 	nc := dialNBD(t, at.sock, "vol")
 	nc.mustWrite(t, 5*blockSize, blockData(5, 9))
 	_, flushed1 := disk.logCounts(t, "Flush")
-	start = time.Now()
+	// No lower bound on the FLUSH's time: rblkd's background write-back
+	// may have written the block before the FLUSH came. What the FLUSH
+	// must do is below: nbdkit sees a FLUSH, the real file holds the block.
 	if errno := nc.flush(t); errno != 0 {
 		t.Fatalf("NBD FLUSH: errno %d", errno)
-	}
-	if el := time.Since(start); el < 50*time.Millisecond {
-		t.Errorf("NBD FLUSH of a dirty block took %v: it cannot have written the block back to the slow disk (50ms per write)", el)
 	}
 	if _, flushed := disk.logCounts(t, "Flush"); flushed <= flushed1 {
 		t.Errorf("NBD FLUSH through rblk-attach: no FLUSH reached nbdkit (%d, %d before)", flushed, flushed1)
