@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rblk/rblk/initiator"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/target/targettest"
 )
@@ -213,21 +214,6 @@ func TestLongErrorTextReply(t *testing.T) {
 // if there is none.
 func labeled(t *testing.T, reg *prometheus.Registry, name, label, value string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.Metric {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == label && lp.GetValue() == value {
-					return m.GetCounter().GetValue() + m.GetGauge().GetValue()
-				}
-			}
-		}
-	}
-	return 0
+	v, _ := metricstest.Sum(t, reg, name, label, value)
+	return v
 }

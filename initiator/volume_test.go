@@ -20,6 +20,7 @@ import (
 
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/blockdev"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/transporttest/faultnet"
@@ -284,21 +285,7 @@ func TestRandomIOAgainstModel(t *testing.T) {
 // metric sums the samples of the counter or gauge called name.
 func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			var sum float64
-			for _, m := range mf.Metric {
-				sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
-			}
-			return sum
-		}
-	}
-	t.Fatalf("metric %s not found", name)
-	return 0
+	return metricstest.Value(t, reg, name)
 }
 
 // TestWritesSurviveTargetClose: unflushed writes are written back when the

@@ -10,9 +10,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -30,30 +30,8 @@ func series(t *testing.T, reg *prometheus.Registry, name, export string) (float6
 // seriesBy is series of name{label=value}.
 func seriesBy(t *testing.T, reg *prometheus.Registry, name, label, value string) (float64, bool) {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelOf(m, label) == value {
-				return m.GetCounter().GetValue() + m.GetGauge().GetValue() + float64(m.GetHistogram().GetSampleCount()), true
-			}
-		}
-	}
-	return 0, false
-}
-
-func labelOf(m *dto.Metric, name string) string {
-	for _, lp := range m.GetLabel() {
-		if lp.GetName() == name {
-			return lp.GetValue()
-		}
-	}
-	return ""
+	v, n := metricstest.Sum(t, reg, name, label, value)
+	return v, n > 0
 }
 
 // TestExportMetrics: with two exports, IO on one is counted under its

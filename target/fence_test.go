@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -181,21 +182,7 @@ func TestReinstatementFencesEarlierSession(t *testing.T) {
 
 func counter(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() == name {
-			var sum float64
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-			return sum
-		}
-	}
-	t.Fatalf("no metric %s", name)
-	return 0
+	return metricstest.Value(t, reg, name)
 }
 
 // readChunk reads one byte of the chunk at off through a fresh grant and

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -231,24 +232,7 @@ func TestGrow(t *testing.T) {
 
 func counterValue(t *testing.T, reg *prometheus.Registry, name, export string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == "export" && lp.GetValue() == export {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	t.Fatalf("no %s{export=%q}", name, export)
-	return 0
+	return metricstest.Value(t, reg, name, "export", export)
 }
 
 // TestGrowReadOnlyExport: rblkd does not write a read-only export's file:

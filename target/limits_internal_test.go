@@ -14,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/transport/tcp"
@@ -277,23 +278,8 @@ func TestHandleLimit(t *testing.T) {
 // testutilCounter is the counter name{reason=reason}.
 func testutilCounter(t *testing.T, reg *prometheus.Registry, name, reason string) float64 {
 	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, lp := range m.GetLabel() {
-				if lp.GetName() == "reason" && lp.GetValue() == reason {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	return 0
+	v, _ := metricstest.Sum(t, reg, name, "reason", reason)
+	return v
 }
 
 // TestHandleNumbersWrap: after 2^32 handles a session's numbers wrap

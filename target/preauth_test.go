@@ -19,6 +19,7 @@ import (
 
 	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/internal/faultproxy"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
@@ -79,7 +80,7 @@ func authStart(l *link.Link, host string) error {
 // gauge is the value of the unlabelled gauge or counter name.
 func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
-	v, _ := seriesBy(t, reg, name, "no-such-label", "")
+	v, _ := metricstest.Sum(t, reg, name)
 	return v
 }
 
