@@ -43,9 +43,29 @@ func clientProvider(t *testing.T, local string) (p transport.Provider, peer stri
 // says nothing: it never authenticates. closed gets the time its link
 // went down (rblkd closed it).
 type silentSession struct {
-	l      *link.Link
+	l *link.Link
+	lifetime
+}
+
+// lifetime is when a silent connection was dialed and, once, when rblkd
+// closed it.
+type lifetime struct {
 	dialed time.Time
 	closed chan time.Time
+}
+
+// closedWithin fails t unless rblkd closed the connection within d of its
+// dial.
+func (s *lifetime) closedWithin(t *testing.T, d time.Duration, what string) {
+	t.Helper()
+	select {
+	case at := <-s.closed:
+		if took := at.Sub(s.dialed); took > d {
+			t.Errorf("%s closed %v after its dial, want at most %v", what, took, d)
+		}
+	case <-time.After(time.Until(s.dialed.Add(d)) + 30*time.Second):
+		t.Fatalf("%s still open %v after its dial", what, time.Since(s.dialed))
+	}
 }
 
 // dialSilentSession connects to addr with p and sends nothing more. It
@@ -60,7 +80,7 @@ func dialSilentSession(t *testing.T, p transport.Provider, addr string) (*silent
 	if err != nil {
 		return nil, start, err
 	}
-	s := &silentSession{l: l, dialed: start, closed: make(chan time.Time, 1)}
+	s := &silentSession{l: l, lifetime: lifetime{dialed: start, closed: make(chan time.Time, 1)}}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -72,19 +92,6 @@ func dialSilentSession(t *testing.T, p transport.Provider, addr string) (*silent
 		<-done
 	})
 	return s, start, nil
-}
-
-// closedWithin fails t unless rblkd closed s within d of its dial.
-func (s *silentSession) closedWithin(t *testing.T, d time.Duration, what string) {
-	t.Helper()
-	select {
-	case at := <-s.closed:
-		if took := at.Sub(s.dialed); took > d {
-			t.Errorf("%s closed %v after its dial, want at most %v", what, took, d)
-		}
-	case <-time.After(time.Until(s.dialed.Add(d)) + 30*time.Second):
-		t.Fatalf("%s still open %v after its dial", what, time.Since(s.dialed))
-	}
 }
 
 // rawAuth connects to addr with p and authenticates as host with secret.
@@ -256,9 +263,8 @@ func TestBeforeAuthentication(t *testing.T) {
 // silentConn is a TCP connection that says nothing; closed gets the time
 // rblkd closed it.
 type silentConn struct {
-	nc     net.Conn
-	dialed time.Time
-	closed chan time.Time
+	nc net.Conn
+	lifetime
 }
 
 // dialSilent connects to addr from the loopback address local (another
@@ -271,7 +277,7 @@ func dialSilent(t *testing.T, addr, local string) *silentConn {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &silentConn{nc: nc, dialed: start, closed: make(chan time.Time, 1)}
+	s := &silentConn{nc: nc, lifetime: lifetime{dialed: start, closed: make(chan time.Time, 1)}}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -288,19 +294,6 @@ func dialSilent(t *testing.T, addr, local string) *silentConn {
 		<-done
 	})
 	return s
-}
-
-// closedWithin fails t unless rblkd closed s within d of its dial.
-func (s *silentConn) closedWithin(t *testing.T, d time.Duration, what string) {
-	t.Helper()
-	select {
-	case at := <-s.closed:
-		if took := at.Sub(s.dialed); took > d {
-			t.Errorf("%s closed %v after its dial, want at most %v", what, took, d)
-		}
-	case <-time.After(time.Until(s.dialed.Add(d)) + 30*time.Second):
-		t.Fatalf("%s still open %v after its dial", what, time.Since(s.dialed))
-	}
 }
 
 // TestBeforeAuthenticationTCPStreams: the software transport's listener
