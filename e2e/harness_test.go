@@ -458,8 +458,12 @@ func (a *attacher) uri(name string) string {
 	return "nbd+unix:///" + name + "?socket=" + a.sock
 }
 
-// devRE finds the device in rblk-attach --device's "attached" log line.
-var devRE = regexp.MustCompile(`"device": "(/dev/nbd[0-9]+)"`)
+// devRE finds the device in rblk-attach --device's "attached" log line,
+// which comes once Attach returned: not in the kernel package's "nbd device
+// attached" before it, after which Attach may still detach the device and
+// attach it again (the kernel did not read every socket: in the guest a
+// test's IO then met the device going away and its FLUSH got EIO).
+var devRE = regexp.MustCompile(`\tattached\t\{"device": "(/dev/nbd[0-9]+)"`)
 
 // startAttach attaches export of tg over this run's transport and waits
 // until it serves: with --nbd-listen on a unix socket in a fresh folder
