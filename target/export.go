@@ -166,6 +166,7 @@ type volume struct {
 
 	dirtyMu  sync.Mutex
 	dirty    []*chunk // the chunks queued for write-back (chunk.queued)
+	spare    []*chunk // the list a pass took and gave back (passDone), reused as dirty
 	wbErr    error    // first write-back error since the last flush
 	wbSignal chan struct{}
 	// queuedAt is when the oldest chunk on the dirty list was queued, and
@@ -179,6 +180,7 @@ type volume struct {
 	// it too, so it never misses ranges a background pass has taken and
 	// not yet written.
 	passMu  sync.Mutex
+	pass    wbPass // the background and flush passes' buffers (passMu)
 	flushMu sync.Mutex
 
 	// removed: RemoveExport took the export away; no new handle of it.
@@ -273,7 +275,7 @@ func (v *volume) takeDirty() []*chunk {
 	v.dirtyMu.Lock()
 	defer v.dirtyMu.Unlock()
 	out := v.dirty
-	v.dirty = nil
+	v.dirty, v.spare = v.spare[:0], nil
 	if v.passAt == 0 {
 		v.passAt = v.queuedAt
 	}
@@ -286,9 +288,13 @@ func (v *volume) takeDirty() []*chunk {
 
 // passDone ends the write-back pass that takeDirty started: what it took
 // is written, or, if it failed, marked dirty and queued again, and then
-// still as old as it was.
-func (v *volume) passDone(failed bool) {
+// still as old as it was. taken, the list takeDirty returned, is kept for
+// the next pass's queue, so that queueing allocates nothing once the list
+// has grown to its size.
+func (v *volume) passDone(taken []*chunk, failed bool) {
+	clear(taken) // (no chunk stays referenced from the spare list)
 	v.dirtyMu.Lock()
+	v.spare = taken[:0]
 	if failed && len(v.dirty) > 0 && v.passAt != 0 && v.passAt < v.queuedAt {
 		v.queuedAt = v.passAt
 	}

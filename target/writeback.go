@@ -258,11 +258,22 @@ func (c *cache) writebackLocked(ch *chunk) error {
 // chunks back on the volume's dirty list, and the volume remembers the
 // error for the next flush; writeChunks returns the first.
 func (c *cache) writeChunks(v *volume, chunks []*chunk, held *chunk) error {
+	p := passPool.Get().(*wbPass)
+	err := c.writeChunksWith(p, v, chunks, held)
+	passPool.Put(p)
+	return err
+}
+
+// writeChunksWith is writeChunks with the pass buffers p, which it leaves
+// reset (empty, their capacity kept). writebackVolume passes the volume's
+// own (it holds passMu), so that the background write-back allocates
+// nothing once they have grown, even where sync.Pool drops its items (the
+// race detector drops them at random).
+func (c *cache) writeChunksWith(p *wbPass, v *volume, chunks []*chunk, held *chunk) error {
 	if len(chunks) > 1 {
 		slices.SortFunc(chunks, func(a, b *chunk) int { return cmp.Compare(a.off, b.off) })
 		chunks = slices.Compact(chunks)
 	}
-	p := passPool.Get().(*wbPass)
 	p.c, p.v = c, v
 	for _, ch := range chunks {
 		p.add(ch, ch == held)
@@ -271,7 +282,6 @@ func (c *cache) writeChunks(v *volume, chunks []*chunk, held *chunk) error {
 	p.unlock(len(p.chunks))
 	err := p.err
 	p.reset()
-	passPool.Put(p)
 	return err
 }
 
@@ -388,7 +398,8 @@ func (ch *chunk) remark(taken []uint64, b, e uint64) {
 func (c *cache) writebackVolume(v *volume) error {
 	v.passMu.Lock()
 	defer v.passMu.Unlock()
-	err := c.writeChunks(v, v.takeDirty(), nil)
-	v.passDone(err != nil)
+	taken := v.takeDirty()
+	err := c.writeChunksWith(&v.pass, v, taken, nil)
+	v.passDone(taken, err != nil)
 	return err
 }
