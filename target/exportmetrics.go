@@ -1,6 +1,7 @@
 package target
 
 import (
+	"slices"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -45,8 +46,11 @@ func (c *exportCollector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector.
 func (c *exportCollector) Collect(ch chan<- prometheus.Metric) {
 	t := c.t
+	// (volMu guards vols; it is never held while taking mu.)
+	t.volMu.RLock()
+	vols := slices.Clone(t.vols)
+	t.volMu.RUnlock()
 	t.mu.Lock()
-	vols := append([]*volume(nil), t.vols...)
 	opens := make(map[string]int, len(vols))
 	for id := range t.idents {
 		opens[id.export]++

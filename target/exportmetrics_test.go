@@ -199,3 +199,58 @@ func waitSeries(t *testing.T, reg *prometheus.Registry, name, export string, v f
 }
 
 var errDisk = errors.New("disk failure injected by the test")
+
+// TestExportMetricsDuringAddRemove: a scrape while exports are added and
+// removed reads the export list under its lock (under -race; the guest's
+// e2e TestSameFileExports found Collect reading Target.vols unlocked while
+// RemoveExport changed it).
+func TestExportMetricsDuringAddRemove(t *testing.T) {
+	dir := t.TempDir()
+	pa, pb := filepath.Join(dir, "a.img"), filepath.Join(dir, "b.img")
+	for _, p := range []string{pa, pb} {
+		if err := os.WriteFile(p, make([]byte, 1<<20), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg := prometheus.NewRegistry()
+	tg, err := target.New(target.Options{CacheSize: 1 << 20, ChunkSize: 64 << 10, Registerer: reg,
+		Exports: []target.ExportConfig{{Name: "b", Path: pb}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	stop := make(chan struct{})
+	scraped := make(chan int)
+	go func() {
+		n := 0
+		defer func() { scraped <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := reg.Gather(); err != nil {
+				t.Error(err)
+				return
+			}
+			n++
+		}
+	}()
+	ctx := context.Background()
+	for range 20 {
+		if err := tg.AddExport(ctx, target.ExportConfig{Name: "a", Path: pa}); err != nil {
+			t.Fatal(err)
+		}
+		if _, n := metricstest.Sum(t, reg, "rblkd_export_size_bytes", "export", "a"); n != 1 {
+			t.Fatalf("after adding export a: %d series of its size, want 1", n)
+		}
+		if err := tg.RemoveExport(ctx, "a"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	close(stop)
+	if n := <-scraped; n == 0 {
+		t.Fatal("no scrape ran beside the changes")
+	}
+}
