@@ -867,9 +867,16 @@ func (l *Link) completions(cs []transport.Completion) {
 		n := len(l.reposts)
 		clear(l.reposts)
 		l.reposts = l.reposts[:0]
-		if err != nil {
+		switch {
+		case errors.Is(err, transport.ErrClosed):
+			// The connection is closing (the peer disconnected). What it
+			// received before is still to come from Poll, which reports
+			// the end after it: a reply there (an error that says why the
+			// peer closed) reaches its request, and the link goes down
+			// then. Failing here would answer that request "link down".
+		case err != nil:
 			l.fail(fmt.Errorf("repost receive: %w", err))
-		} else {
+		default:
 			l.mu.Lock()
 			l.toReturn += n
 			signal := l.toReturn >= l.opts.RecvBuffers/2
