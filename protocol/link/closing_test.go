@@ -22,11 +22,17 @@ type closingProvider struct {
 }
 
 func (p *closingProvider) Dial(ctx context.Context, addr string, pd []byte) (transport.Conn, error) {
-	c, err := p.Provider.Dial(ctx, addr, pd)
+	return wrapDial(ctx, p.Provider, addr, pd, func(c transport.Conn) transport.Conn { return &closingConn{Conn: c, p: p} })
+}
+
+// wrapDial dials addr with p and returns the connection through wrap: the
+// tests' providers that watch or change a dialed connection.
+func wrapDial(ctx context.Context, p transport.Provider, addr string, pd []byte, wrap func(transport.Conn) transport.Conn) (transport.Conn, error) {
+	c, err := p.Dial(ctx, addr, pd)
 	if err != nil {
 		return nil, err
 	}
-	return &closingConn{Conn: c, p: p}, nil
+	return wrap(c), nil
 }
 
 type closingConn struct {

@@ -21,11 +21,7 @@ type sendWatcher struct {
 }
 
 func (p *sendWatcher) Dial(ctx context.Context, addr string, pd []byte) (transport.Conn, error) {
-	c, err := p.Provider.Dial(ctx, addr, pd)
-	if err != nil {
-		return nil, err
-	}
-	return &watchedConn{Conn: c, p: p}, nil
+	return wrapDial(ctx, p.Provider, addr, pd, func(c transport.Conn) transport.Conn { return &watchedConn{Conn: c, p: p} })
 }
 
 type watchedConn struct {
