@@ -363,7 +363,7 @@ func (h *handlesHarness) deadWrite() error {
 	err = c.l.RDMA(ctx, link.Op{Write: true, Local: transport.SGE{Region: local, Length: 8}, Addr: g.g.Addr, RKey: g.g.RKey})
 	h.logf("write %q through handle %d's key (closed %v, writable %v): %v", c.host, g.handle.info.Handle, g.handle.closed, g.writable, err)
 	switch {
-	case errors.Is(err, transport.ErrRemoteAccess):
+	case transporttest.Refused(err):
 		h.seen["dead key write refused"]++
 	case err == nil:
 		return fmt.Errorf("an RDMA WRITE through the key of handle %d (closed %v, writable grant %v) landed", g.handle.info.Handle, g.handle.closed, g.writable)

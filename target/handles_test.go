@@ -13,7 +13,7 @@ import (
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/protocol/link"
 	"github.com/rblk/rblk/target"
-	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/transporttest"
 )
 
 // Grants belong to handles: a grant carries the access of the handle it was
@@ -147,7 +147,7 @@ func TestClosedHandleCannotWriteAfterAnotherWriter(t *testing.T) {
 	}
 	// A writes through the closed handle's rkey, into the block B writes
 	// next, so that B's write-back would carry A's bytes too.
-	if err := rdmaWithin(a, true, g, 100, []byte("EVIL!")); !errors.Is(err, transport.ErrRemoteAccess) {
+	if err := rdmaWithin(a, true, g, 100, []byte("EVIL!")); !transporttest.Refused(err) {
 		t.Errorf("RDMA WRITE through the rkey of a closed read-write handle (its session keeps a read-only one): %v, want a remote access error", err)
 	}
 	if err := b.writeChunk(t, 0, []byte("BBBB"), b.info.Generation); err != nil {
@@ -208,7 +208,7 @@ func TestReadOnlyHandleGrantNotWritable(t *testing.T) {
 				t.Fatalf("RDMA READ through the read-write handle's grant: %v", err)
 			}
 			// ... and does not write.
-			if err := rdmaWithin(c, true, gro, 0, []byte("through a read-only handle")); !errors.Is(err, transport.ErrRemoteAccess) {
+			if err := rdmaWithin(c, true, gro, 0, []byte("through a read-only handle")); !transporttest.Refused(err) {
 				t.Errorf("RDMA WRITE through the read-only handle's grant: %v, want a remote access error", err)
 			}
 			chunkHolds(t, e, 0, content[:fenceChunk])
@@ -257,7 +257,7 @@ func TestCloseKillsExactlyItsGrants(t *testing.T) {
 		t.Fatalf("RDMA READ through a new grant of the open handle: %v", err)
 	}
 	// (A remote access error breaks the connection: one try.)
-	if err := rdmaWithin(c, true, rw0, 0, []byte("after close")); !errors.Is(err, transport.ErrRemoteAccess) {
+	if err := rdmaWithin(c, true, rw0, 0, []byte("after close")); !transporttest.Refused(err) {
 		t.Errorf("RDMA WRITE through the closed handle's grant: %v, want a remote access error", err)
 	}
 	chunkHolds(t, e, 0, append([]byte("two handles"), content[11:fenceChunk]...))
