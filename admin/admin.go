@@ -57,7 +57,10 @@ type Export struct {
 	ConfiguredSize int64    `json:"configured_size,omitempty"`
 	ReadOnly       bool     `json:"read_only"`
 	Shared         bool     `json:"shared"`
-	Allow          []string `json:"allow"` // empty: every host
+	Allow          []string `json:"allow"` // empty: every host, unless Private
+	// Private: only the hosts in Allow may open it; with Allow empty,
+	// none (a pool's volume published to no host).
+	Private bool `json:"private,omitempty"`
 	// Sessions and Writers (list): the sessions that have it open, and
 	// of those the read-write ones.
 	Sessions    int  `json:"sessions"`

@@ -107,6 +107,24 @@ type Export struct {
 	Line int // where the item starts
 }
 
+// Pool is one item of pools: a directory in which rblkd creates, grows
+// and deletes volumes on request (the management API, rblkd export
+// create), each a sparse file the pool owns, served as an export.
+type Pool struct {
+	// Name names the pool in requests: 1-63 bytes of a-z, 0-9 and '-',
+	// starting with a letter or digit.
+	Name string
+	// Directory holds the pool's volumes; an absolute path.
+	Directory string
+	// Capacity bounds the sum of the sizes of its volumes; 0: the size
+	// of the file system the directory is on.
+	Capacity int64
+	// Labels are the pool's topology (key: value), as CSI's accessible
+	// topology: where volumes of this pool can be reached from.
+	Labels map[string]string
+	Line   int // where the item starts
+}
+
 // Config is a parsed file.
 type Config struct {
 	// Path is the file's path as given.
@@ -115,6 +133,8 @@ type Config struct {
 	Settings []Setting
 	// Exports are the exports, in file order.
 	Exports []Export
+	// Pools are the storage pools, in file order.
+	Pools []Pool
 
 	doc *yaml.Node // the document, for Save
 }
@@ -191,6 +211,14 @@ func Parse(path string, data []byte) (*Config, error) {
 			c.Exports = exports
 			continue
 		}
+		if k.Value == "pools" {
+			pools, err := parsePools(path, v)
+			if err != nil {
+				return nil, err
+			}
+			c.Pools = pools
+			continue
+		}
 		kind, ok := Keys[k.Value]
 		if !ok {
 			return nil, &Error{File: path, Line: k.Line, Field: k.Value, Msg: "unknown setting (want one of " + knownKeys() + ")"}
@@ -208,7 +236,7 @@ func Parse(path string, data []byte) (*Config, error) {
 }
 
 func knownKeys() string {
-	keys := []string{"exports"}
+	keys := []string{"exports", "pools"}
 	for k := range Keys {
 		keys = append(keys, k)
 	}
@@ -320,18 +348,21 @@ func parseExport(path, field string, n *yaml.Node) (Export, error) {
 					err = fmt.Errorf("%q: want a size above 0", val)
 				}
 			}
-		case "read_only", "shared":
+		case "read_only", "shared", "private":
 			if val, err = scalar(v, Bool); err == nil {
-				if k.Value == "read_only" {
+				switch k.Value {
+				case "read_only":
 					e.ReadOnly = val == "true"
-				} else {
+				case "shared":
 					e.Shared = val == "true"
+				default:
+					e.Private = val == "true"
 				}
 			}
 		case "allow":
 			e.Allow, err = hostList(v)
 		default:
-			return bad(k.Line, k.Value, "unknown export option (want name, path, size, read_only, shared or allow)")
+			return bad(k.Line, k.Value, "unknown export option (want name, path, size, read_only, shared, private or allow)")
 		}
 		if err != nil {
 			return bad(v.Line, k.Value, err.Error())
@@ -344,6 +375,135 @@ func parseExport(path, field string, n *yaml.Node) (Export, error) {
 		return bad(n.Line, "path", "missing: every export needs a path (a file or a block device)")
 	}
 	return e, nil
+}
+
+// poolName is what a pool's name may be: a DNS label (no '.', no ':', no
+// '/': it is part of its volumes' export names, "POOL:VOLUME").
+var poolName = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
+
+// ValidPoolName reports whether name may name a pool.
+func ValidPoolName(name string) bool { return poolName.MatchString(name) }
+
+func parsePools(path string, n *yaml.Node) ([]Pool, error) {
+	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
+		return nil, nil
+	}
+	if n.Kind != yaml.SequenceNode {
+		return nil, &Error{File: path, Line: n.Line, Field: "pools", Msg: "want a list of pools (lines starting with \"- name: \")"}
+	}
+	var out []Pool
+	names, dirs := map[string]int{}, map[string]int{}
+	for i, item := range n.Content {
+		field := fmt.Sprintf("pools[%d]", i)
+		p, err := parsePool(path, field, item)
+		if err != nil {
+			return nil, err
+		}
+		if prev, dup := names[p.Name]; dup {
+			return nil, &Error{File: path, Line: item.Line, Field: field + ".name", Msg: fmt.Sprintf("pool %q given twice (first on line %d)", p.Name, prev)}
+		}
+		if prev, dup := dirs[p.Directory]; dup {
+			return nil, &Error{File: path, Line: item.Line, Field: field + ".directory",
+				Msg: fmt.Sprintf("%s is the directory of another pool too (line %d): a directory holds one pool", p.Directory, prev)}
+		}
+		names[p.Name], dirs[p.Directory] = item.Line, item.Line
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+func parsePool(path, field string, n *yaml.Node) (Pool, error) {
+	p := Pool{Line: n.Line}
+	bad := func(line int, key, msg string) (Pool, error) {
+		f := field
+		if key != "" {
+			f += "." + key
+		}
+		return Pool{}, &Error{File: path, Line: line, Field: f, Msg: msg}
+	}
+	if n.Kind != yaml.MappingNode {
+		return bad(n.Line, "", "want a mapping with name:, directory: and the pool's options")
+	}
+	seen := map[string]bool{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		if seen[k.Value] {
+			return bad(k.Line, k.Value, "given twice")
+		}
+		seen[k.Value] = true
+		var err error
+		var val string
+		switch k.Value {
+		case "name":
+			if val, err = scalar(v, String); err == nil && !ValidPoolName(val) {
+				err = fmt.Errorf("%q: want 1-63 of a-z, 0-9 and '-', starting and ending with a letter or digit", val)
+			}
+			p.Name = val
+		case "directory":
+			if val, err = scalar(v, String); err == nil {
+				switch {
+				case !filepath.IsAbs(val):
+					err = fmt.Errorf("%q: want an absolute path", val)
+				case filepath.Clean(val) == "/":
+					err = errors.New("\"/\": want a directory of its own")
+				}
+			}
+			p.Directory = filepath.Clean(val)
+		case "capacity":
+			if val, err = scalar(v, Size); err == nil {
+				p.Capacity, _ = target.ParseSize(val)
+				if p.Capacity <= 0 {
+					err = fmt.Errorf("%q: want a size above 0", val)
+				}
+			}
+		case "labels":
+			p.Labels, err = labels(v)
+		default:
+			return bad(k.Line, k.Value, "unknown pool option (want name, directory, capacity or labels)")
+		}
+		if err != nil {
+			return bad(v.Line, k.Value, err.Error())
+		}
+	}
+	switch {
+	case p.Name == "":
+		return bad(n.Line, "name", "missing: every pool needs a name")
+	case p.Directory == "":
+		return bad(n.Line, "directory", "missing: every pool needs a directory")
+	}
+	return p, nil
+}
+
+// labelKey is a topology key as Kubernetes takes it: an optional DNS
+// prefix and a name.
+var labelKey = regexp.MustCompile(`^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$`)
+
+// labelValue is a label value as Kubernetes takes it.
+var labelValue = regexp.MustCompile(`^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$`)
+
+// labels is a pool's labels: a mapping of label keys to values.
+func labels(n *yaml.Node) (map[string]string, error) {
+	if n.Kind != yaml.MappingNode {
+		return nil, errors.New("want a mapping of labels, such as {topology.rblk.io/zone: a}")
+	}
+	out := map[string]string{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		if k.Kind != yaml.ScalarNode || v.Kind != yaml.ScalarNode {
+			return nil, fmt.Errorf("line %d: want key: value", k.Line)
+		}
+		if len(k.Value) > 316 || !labelKey.MatchString(k.Value) {
+			return nil, fmt.Errorf("line %d: %q: want a label key such as topology.rblk.io/zone", k.Line, k.Value)
+		}
+		if !labelValue.MatchString(v.Value) {
+			return nil, fmt.Errorf("line %d: %q: want a label value of at most 63 letters, digits, '-', '_' and '.'", v.Line, v.Value)
+		}
+		if _, dup := out[k.Value]; dup {
+			return nil, fmt.Errorf("line %d: label %q given twice", k.Line, k.Value)
+		}
+		out[k.Value] = v.Value
+	}
+	return out, nil
 }
 
 // hostList is allow: a list of host IDs.
@@ -408,6 +568,9 @@ func exportNode(e target.ExportConfig) *yaml.Node {
 	}
 	if e.Shared {
 		add("shared", &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!bool", Value: "true"})
+	}
+	if e.Private {
+		add("private", &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!bool", Value: "true"})
 	}
 	if len(e.Allow) > 0 {
 		l := &yaml.Node{Kind: yaml.SequenceNode, Tag: "!!seq", Style: yaml.FlowStyle}

@@ -78,11 +78,43 @@ func TestErrors(t *testing.T) {
 		{"export twice", "exports:\n  - name: a\n    path: /a\n  - name: a\n    path: /b\n", `rblkd.yaml:4: exports[1].name: export "a" given twice (first on line 2)`},
 		{"allow not a list", "exports:\n  - name: a\n    path: /a\n    allow: host-a\n", "rblkd.yaml:4: exports[0].allow: want a list of host IDs"},
 		{"bad read_only", "exports:\n  - name: a\n    path: /a\n    read_only: maybe\n", `rblkd.yaml:4: exports[0].read_only: "maybe"`},
+		{"pools not a list", "pools: fast\n", "rblkd.yaml:1: pools: want a list"},
+		{"pool no dir", "pools:\n  - name: fast\n", "rblkd.yaml:2: pools[0].directory: missing"},
+		{"pool bad name", "pools:\n  - name: Fast:1\n    directory: /p\n", `rblkd.yaml:2: pools[0].name: "Fast:1": want 1-63 of a-z`},
+		{"pool relative dir", "pools:\n  - name: a\n    directory: p\n", `rblkd.yaml:3: pools[0].directory: "p": want an absolute path`},
+		{"pool root dir", "pools:\n  - name: a\n    directory: /\n", `rblkd.yaml:3: pools[0].directory: "/"`},
+		{"pool twice", "pools:\n  - name: a\n    directory: /p\n  - name: a\n    directory: /q\n", `rblkd.yaml:4: pools[1].name: pool "a" given twice`},
+		{"pool dir twice", "pools:\n  - name: a\n    directory: /p\n  - name: b\n    directory: /p/\n", `rblkd.yaml:4: pools[1].directory: /p is the directory of another pool`},
+		{"pool zero capacity", "pools:\n  - name: a\n    directory: /p\n    capacity: 0\n", `rblkd.yaml:4: pools[0].capacity: "0": want a size above 0`},
+		{"pool bad label", "pools:\n  - name: a\n    directory: /p\n    labels: {\"bad key!\": x}\n", `rblkd.yaml:4: pools[0].labels: line 4: "bad key!"`},
+		{"pool unknown key", "pools:\n  - name: a\n    directory: /p\n    size: 1G\n", "rblkd.yaml:4: pools[0].size: unknown pool option"},
 	} {
 		_, err := config.Parse("rblkd.yaml", []byte(c.in))
 		if err == nil || !strings.HasPrefix(err.Error(), c.want) || !errors.Is(err, config.ErrInvalid) {
 			t.Errorf("%s: %v\nwant an ErrInvalid starting with %q", c.name, err, c.want)
 		}
+	}
+}
+
+// TestPools: pools: parses into Pools.
+func TestPools(t *testing.T) {
+	c, err := config.Parse("rblkd.yaml", []byte(`pools:
+  - name: fast
+    directory: /srv/rblk/fast/
+    capacity: 2T
+    labels: {topology.rblk.io/zone: zone-a, topology.rblk.io/fabric: roce-1}
+  - name: slow
+    directory: /srv/rblk/slow
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []config.Pool{
+		{Name: "fast", Directory: "/srv/rblk/fast", Capacity: 2 << 40, Labels: map[string]string{"topology.rblk.io/zone": "zone-a", "topology.rblk.io/fabric": "roce-1"}, Line: 2},
+		{Name: "slow", Directory: "/srv/rblk/slow", Line: 6},
+	}
+	if !reflect.DeepEqual(c.Pools, want) {
+		t.Errorf("pools\n got %+v\nwant %+v", c.Pools, want)
 	}
 }
 

@@ -32,6 +32,10 @@ type ExportConfig struct {
 	// Allow, if not empty, lists the host IDs that may list and open the
 	// export; other hosts are refused.
 	Allow []string
+	// Private exports admit the hosts in Allow only: with Allow empty, no
+	// host (a pool's volume before it is published to a host). Without
+	// it an empty Allow admits every host.
+	Private bool
 	// Shared lets several hosts open the export read-write at once (for
 	// cluster file systems). Without it a read-write export has one writer
 	// at a time (see Open's takeover); read-only opens are always shared.
@@ -41,7 +45,7 @@ type ExportConfig struct {
 // allows reports whether host may open e.
 func (e *ExportConfig) allows(host string) bool {
 	if len(e.Allow) == 0 {
-		return true
+		return !e.Private
 	}
 	for _, h := range e.Allow {
 		if h == host {

@@ -30,6 +30,9 @@ var (
 	ErrNotLive = errors.New("cannot change while served")
 	// ErrClosed: the target is closed.
 	ErrClosed = errors.New("target closed")
+	// ErrNotPrivate: FenceHost on an export that is not Private (taking
+	// the last host off its allow list would admit every host).
+	ErrNotPrivate = errors.New("export is not private")
 	// ErrSameFile: an export of a file that another export serves already
 	// (under another name or path: a symbolic or hard link, a bind mount,
 	// "d/../", a second node of a block device). Its text reads in
@@ -531,17 +534,18 @@ func (t *Target) UpdateExport(ctx context.Context, e ExportConfig) error {
 	if grow && v.readOnly {
 		return fmt.Errorf("update export %q: size %d: a read-only export cannot grow", e.Name, e.Size)
 	}
-	allowChanged := !slices.Equal(old.Allow, e.Allow)
+	allowChanged := !slices.Equal(old.Allow, e.Allow) || old.Private != e.Private
 	t.volMu.Lock()
 	v.cfg.Path, v.path = e.Path, e.Path // another name of the same file, if it changed
 	v.cfg.Allow = slices.Clone(e.Allow)
+	v.cfg.Private = e.Private
 	v.cfg.Shared = e.Shared
 	if !grow {
 		v.cfg.Size = e.Size
 	}
 	t.volMu.Unlock()
 	if allowChanged {
-		allowed := ExportConfig{Allow: e.Allow}
+		allowed := ExportConfig{Allow: e.Allow, Private: e.Private}
 		n := t.endSessions(ctx, v, allowed.allows, fmt.Sprintf("host no longer allowed on export %q", e.Name))
 		t.log.Info("export's allow list changed", zap.String("name", e.Name), zap.Strings("allow", e.Allow), zap.Int("sessions_drained", n))
 	}
@@ -588,4 +592,52 @@ func (c *cache) dropVolume(ctx context.Context, v *volume) error {
 			return err
 		}
 	}
+}
+
+// FenceHost takes host off the allow list of export name and fences its
+// sessions of the export at once, without a drain: each is marked stale
+// (its Done and Flush refused from then on), its grants are invalidated,
+// its connection closed, and FenceHost returns once each released
+// everything, so that nothing the host still has in flight reaches the
+// cache or the file after it returns. New opens by host are refused from
+// the start (an open being served either gets its handle before and is
+// fenced, or sees the change and is refused). It returns how many
+// sessions it fenced. The export must be Private (ErrNotPrivate): taking
+// the last host off an export open to every host would open it to all.
+// A host not on the list is fenced all the same (a session it opened
+// before would still be there).
+func (t *Target) FenceHost(ctx context.Context, name, host string) (int, error) {
+	ctx, unlock, err := t.lockAdmin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("fence host %q on export %q: %w", host, name, err)
+	}
+	defer unlock()
+	t.volMu.Lock()
+	v := t.volumes[name]
+	switch {
+	case v == nil:
+		t.volMu.Unlock()
+		return 0, fmt.Errorf("fence host %q on export %q: %w", host, name, ErrNoExport)
+	case !v.cfg.Private:
+		t.volMu.Unlock()
+		return 0, fmt.Errorf("fence host %q on export %q: %w", host, name, ErrNotPrivate)
+	}
+	v.cfg.Allow = slices.DeleteFunc(slices.Clone(v.cfg.Allow), func(h string) bool { return h == host })
+	t.volMu.Unlock()
+	why := fmt.Sprintf("host %q fenced off export %q", host, name)
+	n := 0
+	for {
+		sessions := t.sessionsOf(v, func(h string) bool { return h != host })
+		if len(sessions) == 0 {
+			break
+		}
+		for _, s := range sessions {
+			if err := t.fenceSession(ctx, s, why); err != nil {
+				return n, fmt.Errorf("fence host %q on export %q: %w", host, name, err)
+			}
+			n++
+		}
+	}
+	t.log.Info("host fenced off export", zap.String("name", name), zap.String("host_id", host), zap.Int("sessions_fenced", n))
+	return n, nil
 }

@@ -313,8 +313,15 @@ func (s *session) open(m *protocol.Open) (*protocol.VolumeInfo, error) {
 	if err := s.t.reinstate(s.ctx, s, ov, m.Flags&protocol.OpenTakeover != 0); err != nil {
 		return nil, err
 	}
+	if testHookOpening != nil {
+		testHookOpening(host)
+	}
 	return s.addHandle(ov, "volume opened")
 }
+
+// testHookOpening, set by tests only, runs in an Open between the checks
+// of the export and the handle's addition.
+var testHookOpening func(host string)
 
 // reserveHandle takes a place for a handle being opened, within
 // MaxHandlesPerSession, before anything of the open happens (fencing
@@ -339,14 +346,20 @@ func (s *session) reserveHandle(op string) (release func(), err error) {
 
 // addHandle gives ov a handle of the session and returns the VolumeInfo
 // that tells the initiator, logging event. An export removed meanwhile
-// (RemoveExport) gives no handle: the removal either sees the handle or
-// the handle sees the removal, both under s.mu.
+// (RemoveExport), or one whose allow list no longer has the host
+// (UpdateExport, FenceHost), gives no handle: the change either sees the
+// handle or the handle sees the change, both under s.mu.
 func (s *session) addHandle(ov *openVol, event string) (*protocol.VolumeInfo, error) {
 	s.mu.Lock()
 	if ov.v.removed.Load() {
 		s.mu.Unlock()
 		s.t.forget(s, ov)
 		return nil, fmt.Errorf("export %q: removed: %w", ov.v.name, protocol.ErrNoExport)
+	}
+	if _, allowed := s.t.volumeFor(ov.v.name, ov.ident.host); !allowed {
+		s.mu.Unlock()
+		s.t.forget(s, ov)
+		return nil, fmt.Errorf("host %q is no longer allowed to open export %q: %w", ov.ident.host, ov.v.name, protocol.ErrAccess)
 	}
 	// A free handle number: after 2^32 opens the numbers wrap around
 	// the few still open.

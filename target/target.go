@@ -959,25 +959,35 @@ func (t *Target) runProbe(p *probe, cur identEntry) {
 // holder has run, so what the old one wrote meanwhile comes before it.
 func (t *Target) fence(ctx context.Context, e identEntry, why string) error {
 	e.ov.fenced.Store(true)
-	e.s.markFenced()
+	if err := t.fenceSession(ctx, e.s, why); err != nil {
+		return fmt.Errorf("fence session %d of %s: %w", e.s.id, e.ov.ident.describe(), err)
+	}
+	return nil
+}
+
+// fenceSession fences s as fence says: every handle of it stale, the
+// notice sent, its grants invalidated, its connection closed; it returns
+// once s released everything, or when ctx ends.
+func (t *Target) fenceSession(ctx context.Context, s *session, why string) error {
+	s.markFenced()
 	t.m.fenced.Inc()
 	nctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	notice := &protocol.ErrorMsg{Code: protocol.CodeStale, Text: why}
-	err := e.s.link.Send(nctx, 0, notice)
+	err := s.link.Send(nctx, 0, notice)
 	if err == nil {
-		err = e.s.link.WaitSent(nctx)
+		err = s.link.WaitSent(nctx)
 	}
 	if err != nil {
-		e.s.log.Debug("fence notice not delivered", zap.Error(err))
+		s.log.Debug("fence notice not delivered", zap.Error(err))
 	}
 	cancel()
-	e.s.dropFencedGrants()
-	e.s.link.Close()
+	s.dropFencedGrants()
+	s.link.Close()
 	select {
-	case <-e.s.ended:
+	case <-s.ended:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("fence session %d of %s: %w", e.s.id, e.ov.ident.describe(), ctx.Err())
+		return ctx.Err()
 	}
 }
 

@@ -222,7 +222,7 @@ func (d *daemon) add(ctx context.Context, req admin.Request) admin.Response {
 		return fail(errors.New("add: no export given"))
 	}
 	x := req.Export
-	e := target.ExportConfig{Name: x.Name, Path: x.Path, Size: x.Size, ReadOnly: x.ReadOnly, Shared: x.Shared, Allow: x.Allow}
+	e := target.ExportConfig{Name: x.Name, Path: x.Path, Size: x.Size, ReadOnly: x.ReadOnly, Shared: x.Shared, Allow: x.Allow, Private: x.Private}
 	exists := func() bool { return d.status(e.Name) != nil }
 	if exists() { // (checked again under the lock; this one spares creating a file)
 		return fail(fmt.Errorf("add export %q: %w", e.Name, target.ErrExportExists))
@@ -359,7 +359,7 @@ func exportList(st []target.ExportStatus) []admin.Export {
 			allow = []string{}
 		}
 		out = append(out, admin.Export{Name: s.Config.Name, Path: s.Config.Path, Size: int64(s.Size), ConfiguredSize: s.Config.Size,
-			ReadOnly: s.Config.ReadOnly, Shared: s.Config.Shared, Allow: allow, Sessions: s.Sessions, Writers: s.Writers,
+			ReadOnly: s.Config.ReadOnly, Shared: s.Config.Shared, Allow: allow, Private: s.Config.Private, Sessions: s.Sessions, Writers: s.Writers,
 			BlockDevice: s.BlockDevice})
 	}
 	return out
