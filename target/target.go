@@ -80,7 +80,8 @@ const maxProbeRounds = 4
 
 // Options configure a Target.
 type Options struct {
-	// Exports are the volumes to serve. At least one.
+	// Exports are the volumes to serve at start; there may be none (a
+	// storage node whose volumes are created at run time: AddExport).
 	Exports []ExportConfig
 	// CacheSize is the registered memory budget for cached chunks, shared by
 	// all volumes. Default DefaultCacheSize.
@@ -280,9 +281,6 @@ func New(opts Options) (*Target, error) {
 	}
 	if cs := opts.ChunkSize; cs < 64<<10 || cs > 1<<30 || cs&(cs-1) != 0 {
 		return nil, fmt.Errorf("chunk size %d: want a power of two from 64 KiB to 1 GiB", cs)
-	}
-	if len(opts.Exports) == 0 {
-		return nil, errors.New("no exports")
 	}
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {

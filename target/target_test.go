@@ -66,7 +66,6 @@ func TestNewErrors(t *testing.T) {
 	dir := t.TempDir()
 	for name, o := range map[string]target.Options{
 		"missing file":     {Exports: []target.ExportConfig{{Name: "v", Path: filepath.Join(dir, "nope")}}},
-		"no exports":       {},
 		"duplicate":        {Exports: []target.ExportConfig{{Name: "v", Path: filepath.Join(dir, "a"), Size: 1 << 20}, {Name: "v", Path: filepath.Join(dir, "b"), Size: 1 << 20}}},
 		"bad chunk size":   {Exports: []target.ExportConfig{{Name: "v", Path: filepath.Join(dir, "c"), Size: 1 << 20}}, ChunkSize: 100000},
 		"cache too small":  {Exports: []target.ExportConfig{{Name: "v", Path: filepath.Join(dir, "d"), Size: 1 << 20}}, CacheSize: 1 << 20},
@@ -78,6 +77,22 @@ func TestNewErrors(t *testing.T) {
 			tg.Close()
 			t.Errorf("%s: New succeeded", name)
 		}
+	}
+}
+
+// TestNewWithoutExports: a target may start with no export and get its
+// first at run time.
+func TestNewWithoutExports(t *testing.T) {
+	tg, err := target.New(target.Options{CacheSize: 4 << 20, ChunkSize: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	if err := tg.AddExport(context.Background(), target.ExportConfig{Name: "late", Path: filepath.Join(t.TempDir(), "late.img"), Size: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if st := tg.Exports(); len(st) != 1 || st[0].Config.Name != "late" {
+		t.Fatalf("exports: %+v", st)
 	}
 }
 
