@@ -28,6 +28,15 @@ const (
 	CmdRemove = "remove" // Request.Name, drained first
 	CmdGrow   = "grow"   // Request.Name to Request.Size bytes
 	CmdReload = "reload" // the configuration file, as SIGHUP
+
+	// The volumes of storage pools (package manage).
+	CmdPools     = "pools"     // the pools and their capacity (Request.Pool: only it)
+	CmdVolumes   = "volumes"   // the pools' volumes (Request.Pool: only its)
+	CmdCreate    = "create"    // Request.Pool, Name, Size, Shared
+	CmdDelete    = "delete"    // Request.Pool, Name: drained, written back, deleted
+	CmdExpand    = "expand"    // Request.Pool, Name to Request.Size bytes
+	CmdPublish   = "publish"   // Request.Pool, Name: Request.Host may open it
+	CmdUnpublish = "unpublish" // Request.Pool, Name: Request.Host fenced off it
 )
 
 // maxRequest bounds a request's size.
@@ -38,7 +47,10 @@ type Request struct {
 	Command string  `json:"command"`
 	Export  *Export `json:"export,omitempty"` // add
 	Name    string  `json:"name,omitempty"`   // remove, grow
-	Size    int64   `json:"size,omitempty"`   // grow: the new size in bytes
+	Size    int64   `json:"size,omitempty"`   // grow, create, expand: the size in bytes
+	Pool    string  `json:"pool,omitempty"`   // pools, volumes, create, delete, expand, publish, unpublish
+	Host    string  `json:"host,omitempty"`   // publish, unpublish: the host ID
+	Shared  bool    `json:"shared,omitempty"` // create: several hosts may write at once
 	// Save writes the change to the configuration file rblkd was started
 	// with (add, remove, grow).
 	Save bool `json:"save,omitempty"`
@@ -68,12 +80,51 @@ type Export struct {
 	BlockDevice bool `json:"block_device"`
 }
 
+// Volume is a pool's volume in a Response. The JSON shape is stable:
+// fields are only ever added.
+type Volume struct {
+	Pool      string            `json:"pool"`
+	Name      string            `json:"name"`
+	Export    string            `json:"export"` // the name initiators open it by
+	Path      string            `json:"path"`
+	Size      int64             `json:"size"`
+	Allocated int64             `json:"allocated"`
+	Shared    bool              `json:"shared"`
+	Hosts     []string          `json:"hosts"` // published to
+	Sessions  int               `json:"sessions"`
+	Writers   int               `json:"writers"`
+	Labels    map[string]string `json:"labels,omitempty"`
+	Created   time.Time         `json:"created"`
+}
+
+// Pool is a storage pool in a Response.
+type Pool struct {
+	Name        string            `json:"name"`
+	Labels      map[string]string `json:"labels,omitempty"`
+	Capacity    int64             `json:"capacity"`    // its limit
+	Provisioned int64             `json:"provisioned"` // the sum of its volumes' sizes
+	Allocated   int64             `json:"allocated"`   // what they take on disk
+	Available   int64             `json:"available"`   // the largest volume it takes now
+	Volumes     int               `json:"volumes"`
+	Damaged     int               `json:"damaged"` // volumes not served (see rblkd's log)
+}
+
 // Response is rblkd's answer: OK, or Error saying why not.
 type Response struct {
-	OK      bool     `json:"ok"`
-	Error   string   `json:"error,omitempty"`
+	OK    bool   `json:"ok"`
+	Error string `json:"error,omitempty"`
+	// Code is the kind of error (manage.Code: InvalidArgument, NotFound,
+	// AlreadyExists, ResourceExhausted, ...), where rblkd knows it.
+	Code    string   `json:"code,omitempty"`
 	Message string   `json:"message,omitempty"` // what was done, for people
 	Exports []Export `json:"exports,omitempty"` // list
+	Volumes []Volume `json:"volumes,omitempty"` // volumes, create, expand, publish
+	Pools   []Pool   `json:"pools,omitempty"`   // pools
+	// Created (create): the volume was made by this request (false: it
+	// existed as asked).
+	Created bool `json:"created,omitempty"`
+	// Fenced (unpublish): the sessions fenced.
+	Fenced int `json:"fenced,omitempty"`
 }
 
 // Handler serves one request; ctx ends at the server's request timeout or

@@ -2,7 +2,9 @@ package main
 
 import (
 	"fmt"
+	"maps"
 	"slices"
+	"strings"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -22,6 +24,9 @@ type fileState struct {
 	running map[string]string
 	// fileExports are the exports of the file at start.
 	fileExports []target.ExportConfig
+	// pools are the storage pools of the file at start (a change needs a
+	// restart).
+	pools []config.Pool
 	// adminSocketSet: --admin-socket or admin_socket was given (a socket
 	// in use is then an error, not a warning).
 	adminSocketSet bool
@@ -50,6 +55,7 @@ func loadConfig(cmd *cobra.Command, f *serveFlags) error {
 			f.file.adminSocketSet = true
 		}
 		f.file.fileExports = c.ExportConfigs()
+		f.file.pools = c.Pools
 	}
 	f.file.running = settingsOf(fl)
 	return nil
@@ -115,4 +121,24 @@ func mergeExports(file, flags []target.ExportConfig) []target.ExportConfig {
 		}
 	}
 	return out
+}
+
+// checkNamespaces refuses an export whose name is a pool volume's,
+// POOL:NAME of a pool of pools: those names are the pools'.
+func checkNamespaces(exports []target.ExportConfig, pools []config.Pool) error {
+	for _, e := range exports {
+		for _, p := range pools {
+			if strings.HasPrefix(e.Name, p.Name+":") {
+				return fmt.Errorf("export %q: names of the form %s:NAME are pool %q's volumes: rename the export", e.Name, p.Name, p.Name)
+			}
+		}
+	}
+	return nil
+}
+
+// samePools reports whether a and b configure the same pools.
+func samePools(a, b []config.Pool) bool {
+	return slices.EqualFunc(a, b, func(x, y config.Pool) bool {
+		return x.Name == y.Name && x.Directory == y.Directory && x.Capacity == y.Capacity && maps.Equal(x.Labels, y.Labels)
+	})
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/rblk/rblk/admin"
 	"github.com/rblk/rblk/config"
 	"github.com/rblk/rblk/internal/sdnotify"
+	"github.com/rblk/rblk/manage"
 	"github.com/rblk/rblk/target"
 )
 
@@ -25,6 +26,7 @@ import (
 // the configuration file and the admin socket.
 type daemon struct {
 	t           *target.Target
+	svc         *manage.Service // the pools' volumes; nil without pools
 	log         *zap.Logger
 	file        fileState
 	flagExports []target.ExportConfig
@@ -46,9 +48,9 @@ type daemon struct {
 // startDaemon starts the SIGHUP handler and the admin socket (unless
 // f.adminSocket is ""). A socket in use by another rblkd is an error when
 // it was asked for, else a warning.
-func startDaemon(ctx context.Context, t *target.Target, f serveFlags, flagExports []target.ExportConfig,
+func startDaemon(ctx context.Context, t *target.Target, svc *manage.Service, f serveFlags, flagExports []target.ExportConfig,
 	reg prometheus.Registerer, log *zap.Logger) (*daemon, error) {
-	d := &daemon{t: t, log: log, file: f.file, flagExports: flagExports, sem: make(chan struct{}, 1),
+	d := &daemon{t: t, svc: svc, log: log, file: f.file, flagExports: flagExports, sem: make(chan struct{}, 1),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "rblkd", Name: "config_reloads_total",
 			Help: "Reloads of the configuration file (SIGHUP or rblkd export reload), by result: ok or error."}, []string{"result"}),
 		lastReload: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "rblkd", Name: "config_last_reload_success_timestamp_seconds",
@@ -170,9 +172,19 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 		if req.Export != nil {
 			name = req.Export.Name
 		}
-		log("admin request", zap.String("command", req.Command), zap.String("name", name), zap.Bool("save", req.Save),
-			zap.Bool("ok", resp.OK), zap.String("error", resp.Error), zap.Duration("took", time.Since(start)))
+		fields := []zap.Field{zap.String("command", req.Command), zap.String("name", name)}
+		if req.Pool != "" {
+			fields = append(fields, zap.String("pool", req.Pool))
+		}
+		if req.Host != "" {
+			fields = append(fields, zap.String("host_id", req.Host))
+		}
+		log("admin request", append(fields, zap.Bool("save", req.Save),
+			zap.Bool("ok", resp.OK), zap.String("error", resp.Error), zap.Duration("took", time.Since(start)))...)
 	}()
+	if isVolumeCommand(req.Command) {
+		return d.handleVolume(ctx, req) // (each volume has its own lock: not the reloads')
+	}
 	if req.Save && d.file.path == "" {
 		return fail(errors.New("--save: rblkd was started without --config: there is no file to write the change to"))
 	}
@@ -185,7 +197,7 @@ func (d *daemon) handle(ctx context.Context, req admin.Request) (resp admin.Resp
 		}
 	case admin.CmdAdd, admin.CmdRemove, admin.CmdGrow:
 	default:
-		return fail(fmt.Errorf("unknown command %q: want list, add, remove, grow or reload", req.Command))
+		return fail(fmt.Errorf("unknown command %q: want list, add, remove, grow, reload, pools, volumes, create, delete, expand, publish or unpublish", req.Command))
 	}
 	if req.Command == admin.CmdAdd {
 		return d.add(ctx, req) // (it opens the file before it waits for the lock)

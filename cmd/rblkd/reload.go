@@ -269,8 +269,13 @@ func (d *daemon) reload(ctx context.Context) (msg string, err error) {
 		}
 		return "--export"
 	}
-	current := d.t.Exports()
+	// The pools' volumes are the pools', not the file's: a reload does
+	// not see them.
+	current := slices.DeleteFunc(d.t.Exports(), func(st target.ExportStatus) bool { return d.svc != nil && d.svc.Owns(st.Config.Name) })
 	want := mergeExports(c.ExportConfigs(), d.flagExports)
+	if err := checkNamespaces(want, d.file.pools); err != nil {
+		return refuse(err)
+	}
 	p, err := planReload(current, want)
 	if err != nil {
 		var se *shrinkError
@@ -279,7 +284,7 @@ func (d *daemon) reload(ctx context.Context) (msg string, err error) {
 		}
 		return refuse(err)
 	}
-	if len(c.Exports) == 0 && (len(want) == 0 || len(p.remove) > 0) {
+	if len(c.Exports) == 0 && ((len(want) == 0 && len(c.Pools) == 0) || len(p.remove) > 0) {
 		return refuse(fmt.Errorf("%s %w", c.Path, errNoExports))
 	}
 	// A served export's path changed to one that does not exist: a typo
@@ -330,6 +335,10 @@ func (d *daemon) reload(ctx context.Context) (msg string, err error) {
 				zap.String("setting", key), zap.String("running", d.file.running[key]), zap.String("file", settings[key]))
 			changes = append(changes, key+" needs a restart")
 		}
+	}
+	if !samePools(c.Pools, d.file.pools) {
+		d.log.Warn("pools: changed in the configuration needs a restart: keeping the running pools")
+		changes = append(changes, "pools needs a restart")
 	}
 	changes, errs := d.apply(ctx, ops, prepared, changes)
 	discard() // those not added (after a failure)

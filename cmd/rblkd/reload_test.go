@@ -51,7 +51,7 @@ func TestReloadDiff(t *testing.T) {
 	defer tg.Close()
 	core, logs := observer.New(zap.InfoLevel)
 	ctx := context.Background()
-	d, err := startDaemon(ctx, tg, f, nil, nil, zap.New(core))
+	d, err := startDaemon(ctx, tg, nil, f, nil, nil, zap.New(core))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,9 @@ import (
 	"github.com/rblk/rblk/admin"
 	"github.com/rblk/rblk/auth"
 	"github.com/rblk/rblk/cmd/internal/cli"
+	"github.com/rblk/rblk/config"
+	"github.com/rblk/rblk/manage"
+	"github.com/rblk/rblk/pool"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport/providers"
 )
@@ -64,7 +67,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCmd(), newExportCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
+	root.AddCommand(newServeCmd(), newExportCmd(), newVolumeCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
@@ -158,8 +161,11 @@ func serve(f serveFlags) error {
 		return err
 	}
 	exports := mergeExports(f.file.fileExports, flagExports)
-	if len(exports) == 0 {
-		return fmt.Errorf("no --export given (nor exports: in --config): want at least one NAME=PATH[,ro][,size=BYTES]")
+	if len(exports) == 0 && len(f.file.pools) == 0 {
+		return fmt.Errorf("no --export given (nor exports: or pools: in --config): want at least one NAME=PATH[,ro][,size=BYTES]")
+	}
+	if err := checkNamespaces(exports, f.file.pools); err != nil {
+		return err
 	}
 	cacheSize, err := target.ParseSize(f.cacheSize)
 	if err != nil {
@@ -210,6 +216,23 @@ func serve(f serveFlags) error {
 	if err != nil {
 		return err
 	}
+	pools, err := openPools(f.file.pools, log)
+	if err != nil {
+		t.Close()
+		return err
+	}
+	defer func() {
+		for _, p := range pools {
+			p.Close()
+		}
+	}()
+	var svc *manage.Service
+	if len(pools) > 0 {
+		if svc, err = manage.New(ctx, t, pools, log); err != nil {
+			t.Close()
+			return err
+		}
+	}
 	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log)
 	if err != nil {
 		t.Close()
@@ -226,7 +249,7 @@ func serve(f serveFlags) error {
 	}
 	log.Info("rblkd serving", zap.String("listen", l.Addr()), zap.String("transport", why),
 		zap.Int64("cache_size", cacheSize), zap.Int64("chunk_size", chunkSize))
-	d, err := startDaemon(ctx, t, f, flagExports, reg, log)
+	d, err := startDaemon(ctx, t, svc, f, flagExports, reg, log)
 	if err != nil {
 		l.Close()
 		t.Close()
@@ -247,4 +270,31 @@ func serve(f serveFlags) error {
 	}
 	log.Info("stopped cleanly")
 	return nil
+}
+
+// openPools opens the configured pools (each locks its directory: two
+// rblkd never share a pool).
+func openPools(cfgs []config.Pool, log *zap.Logger) ([]*pool.Pool, error) {
+	var out []*pool.Pool
+	for _, c := range cfgs {
+		p, err := pool.Open(pool.Config{Name: c.Name, Dir: c.Directory, Capacity: c.Capacity, Labels: c.Labels, Logger: log})
+		if err != nil {
+			for _, o := range out {
+				o.Close()
+			}
+			return nil, err
+		}
+		pc, err := p.Capacity()
+		if err != nil {
+			p.Close()
+			for _, o := range out {
+				o.Close()
+			}
+			return nil, err
+		}
+		log.Info("pool", zap.String("pool", c.Name), zap.String("directory", c.Directory), zap.Int("volumes", pc.Volumes),
+			zap.Int64("capacity", pc.Limit), zap.Int64("provisioned", pc.Provisioned), zap.Int64("available", pc.Available))
+		out = append(out, p)
+	}
+	return out, nil
 }

@@ -202,7 +202,7 @@ func startTx(t *testing.T, content func(e *txEnv) string) *txEnv {
 	}
 	e.tg = tg
 	t.Cleanup(func() { tg.Close() })
-	if e.d, err = startDaemon(context.Background(), tg, f, nil, nil, zap.New(core)); err != nil {
+	if e.d, err = startDaemon(context.Background(), tg, nil, f, nil, nil, zap.New(core)); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(e.d.stop)
