@@ -120,7 +120,7 @@ func start(t *testing.T) *env {
 	cert, key := pk.issue("storage-1", []string{"localhost", "127.0.0.1"}, false)
 	reg := prometheus.NewRegistry()
 	srv, err := remote.Listen(svc, remote.Options{Listen: "127.0.0.1:0", CertFile: cert, KeyFile: key, ClientCAFile: filepath.Join(pk.dir, "ca.crt"),
-		Clients: []remote.Client{{Identity: "csi-controller", Pools: []string{remote.AllPools}}, {Identity: "tenant-slow", Pools: []string{"slow"}}},
+		Clients:    []remote.Client{{Identity: "csi-controller", Pools: []string{remote.AllPools}}, {Identity: "tenant-slow", Pools: []string{"slow"}}},
 		Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
