@@ -125,6 +125,26 @@ type Pool struct {
 	Line   int // where the item starts
 }
 
+// Management is management: the remote management API (off without it).
+type Management struct {
+	// Listen is HOST:PORT to serve it on.
+	Listen string
+	// Cert and Key are rblkd's certificate and key; ClientCA the CA
+	// certificates that sign the clients' (PEM files).
+	Cert, Key, ClientCA string
+	// Clients are who may manage what.
+	Clients []ManagementClient
+	Line    int
+}
+
+// ManagementClient is one of management: clients:.
+type ManagementClient struct {
+	// Identity is the Common Name of the client's certificate.
+	Identity string
+	// Pools are the pools it may manage; "*": all.
+	Pools []string
+}
+
 // Config is a parsed file.
 type Config struct {
 	// Path is the file's path as given.
@@ -135,6 +155,8 @@ type Config struct {
 	Exports []Export
 	// Pools are the storage pools, in file order.
 	Pools []Pool
+	// Management is the remote management API; nil: off.
+	Management *Management
 
 	doc *yaml.Node // the document, for Save
 }
@@ -219,6 +241,14 @@ func Parse(path string, data []byte) (*Config, error) {
 			c.Pools = pools
 			continue
 		}
+		if k.Value == "management" {
+			m, err := parseManagement(path, v)
+			if err != nil {
+				return nil, err
+			}
+			c.Management = m
+			continue
+		}
 		kind, ok := Keys[k.Value]
 		if !ok {
 			return nil, &Error{File: path, Line: k.Line, Field: k.Value, Msg: "unknown setting (want one of " + knownKeys() + ")"}
@@ -232,11 +262,24 @@ func Parse(path string, data []byte) (*Config, error) {
 		}
 		c.Settings = append(c.Settings, Setting{Key: k.Value, Value: val, Line: v.Line})
 	}
+	if m := c.Management; m != nil {
+		for i, cl := range m.Clients {
+			for _, p := range cl.Pools {
+				if p != "*" && !slices.ContainsFunc(c.Pools, func(q Pool) bool { return q.Name == p }) {
+					return nil, &Error{File: path, Line: m.Line, Field: fmt.Sprintf("management.clients[%d].pools", i),
+						Msg: fmt.Sprintf("pool %q is not one of pools:", p)}
+				}
+			}
+		}
+		if len(c.Pools) == 0 {
+			return nil, &Error{File: path, Line: m.Line, Field: "management", Msg: "the management API manages pools: configure pools: too"}
+		}
+	}
 	return c, nil
 }
 
 func knownKeys() string {
-	keys := []string{"exports", "pools"}
+	keys := []string{"exports", "pools", "management"}
 	for k := range Keys {
 		keys = append(keys, k)
 	}
@@ -472,6 +515,106 @@ func parsePool(path, field string, n *yaml.Node) (Pool, error) {
 		return bad(n.Line, "directory", "missing: every pool needs a directory")
 	}
 	return p, nil
+}
+
+func parseManagement(path string, n *yaml.Node) (*Management, error) {
+	m := &Management{Line: n.Line}
+	bad := func(line int, key, msg string) (*Management, error) {
+		f := "management"
+		if key != "" {
+			f += "." + key
+		}
+		return nil, &Error{File: path, Line: line, Field: f, Msg: msg}
+	}
+	if n.Kind != yaml.MappingNode {
+		return bad(n.Line, "", "want a mapping with listen:, cert:, key:, client_ca: and clients:")
+	}
+	seen := map[string]bool{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		if seen[k.Value] {
+			return bad(k.Line, k.Value, "given twice")
+		}
+		seen[k.Value] = true
+		var err error
+		var val string
+		switch k.Value {
+		case "listen", "cert", "key", "client_ca":
+			if val, err = scalar(v, String); err == nil && val == "" {
+				err = errors.New("empty")
+			}
+			switch k.Value {
+			case "listen":
+				m.Listen = val
+			case "cert":
+				m.Cert = val
+			case "key":
+				m.Key = val
+			default:
+				m.ClientCA = val
+			}
+		case "clients":
+			m.Clients, err = managementClients(v)
+		default:
+			return bad(k.Line, k.Value, "unknown management option (want listen, cert, key, client_ca or clients)")
+		}
+		if err != nil {
+			return bad(v.Line, k.Value, err.Error())
+		}
+	}
+	for _, k := range []string{"listen", "cert", "key", "client_ca", "clients"} {
+		if !seen[k] {
+			return bad(n.Line, k, "missing: the management API needs listen, cert, key, client_ca and clients")
+		}
+	}
+	return m, nil
+}
+
+// managementClients is management: clients:: a list of identity: and
+// pools:.
+func managementClients(n *yaml.Node) ([]ManagementClient, error) {
+	if n.Kind != yaml.SequenceNode || len(n.Content) == 0 {
+		return nil, errors.New("want a list of clients, such as [{identity: rblk-csi-controller, pools: [\"*\"]}]")
+	}
+	var out []ManagementClient
+	ids := map[string]bool{}
+	for _, item := range n.Content {
+		if item.Kind != yaml.MappingNode {
+			return nil, fmt.Errorf("line %d: want a mapping of identity and pools", item.Line)
+		}
+		var c ManagementClient
+		for i := 0; i+1 < len(item.Content); i += 2 {
+			k, v := item.Content[i], item.Content[i+1]
+			switch k.Value {
+			case "identity":
+				if v.Kind != yaml.ScalarNode || v.Value == "" || len(v.Value) > 255 {
+					return nil, fmt.Errorf("line %d: identity: want the Common Name of the client's certificate", v.Line)
+				}
+				c.Identity = v.Value
+			case "pools":
+				if v.Kind != yaml.SequenceNode || len(v.Content) == 0 {
+					return nil, fmt.Errorf("line %d: pools: want a list of pool names, or [\"*\"] for all", v.Line)
+				}
+				for _, p := range v.Content {
+					if p.Kind != yaml.ScalarNode || (p.Value != "*" && !ValidPoolName(p.Value)) {
+						return nil, fmt.Errorf("line %d: pools: %q is no pool name", p.Line, p.Value)
+					}
+					c.Pools = append(c.Pools, p.Value)
+				}
+			default:
+				return nil, fmt.Errorf("line %d: %s: unknown client option (want identity or pools)", k.Line, k.Value)
+			}
+		}
+		if c.Identity == "" || len(c.Pools) == 0 {
+			return nil, fmt.Errorf("line %d: a client needs an identity and pools", item.Line)
+		}
+		if ids[c.Identity] {
+			return nil, fmt.Errorf("line %d: client %q given twice", item.Line, c.Identity)
+		}
+		ids[c.Identity] = true
+		out = append(out, c)
+	}
+	return out, nil
 }
 
 // labelKey is a topology key as Kubernetes takes it: an optional DNS

@@ -87,6 +87,14 @@ func TestErrors(t *testing.T) {
 		{"pool dir twice", "pools:\n  - name: a\n    directory: /p\n  - name: b\n    directory: /p/\n", `rblkd.yaml:4: pools[1].directory: /p is the directory of another pool`},
 		{"pool zero capacity", "pools:\n  - name: a\n    directory: /p\n    capacity: 0\n", `rblkd.yaml:4: pools[0].capacity: "0": want a size above 0`},
 		{"pool bad label", "pools:\n  - name: a\n    directory: /p\n    labels: {\"bad key!\": x}\n", `rblkd.yaml:4: pools[0].labels: line 4: "bad key!"`},
+		{"management without pools", "management:\n  listen: :7481\n  cert: /c\n  key: /k\n  client_ca: /ca\n  clients: [{identity: x, pools: [\"*\"]}]\n",
+			"rblkd.yaml:2: management: the management API manages pools"},
+		{"management missing key", "pools:\n  - name: a\n    directory: /p\nmanagement:\n  listen: :7481\n  cert: /c\n  client_ca: /ca\n  clients: [{identity: x, pools: [a]}]\n",
+			"rblkd.yaml:5: management.key: missing"},
+		{"management unknown pool", "pools:\n  - name: a\n    directory: /p\nmanagement:\n  listen: :7481\n  cert: /c\n  key: /k\n  client_ca: /ca\n  clients: [{identity: x, pools: [b]}]\n",
+			`rblkd.yaml:5: management.clients[0].pools: pool "b" is not one of pools:`},
+		{"management client twice", "pools:\n  - name: a\n    directory: /p\nmanagement:\n  listen: :7481\n  cert: /c\n  key: /k\n  client_ca: /ca\n  clients: [{identity: x, pools: [a]}, {identity: x, pools: [a]}]\n",
+			`rblkd.yaml:9: management.clients: line 9: client "x" given twice`},
 		{"pool unknown key", "pools:\n  - name: a\n    directory: /p\n    size: 1G\n", "rblkd.yaml:4: pools[0].size: unknown pool option"},
 	} {
 		_, err := config.Parse("rblkd.yaml", []byte(c.in))
@@ -115,6 +123,32 @@ func TestPools(t *testing.T) {
 	}
 	if !reflect.DeepEqual(c.Pools, want) {
 		t.Errorf("pools\n got %+v\nwant %+v", c.Pools, want)
+	}
+}
+
+// TestManagement: management: parses.
+func TestManagement(t *testing.T) {
+	c, err := config.Parse("rblkd.yaml", []byte(`pools:
+  - name: fast
+    directory: /srv/rblk/fast
+management:
+  listen: 192.0.2.10:7481
+  cert: /etc/rblk/tls/server.crt
+  key: /etc/rblk/tls/server.key
+  client_ca: /etc/rblk/tls/ca.crt
+  clients:
+    - identity: rblk-csi-controller
+      pools: ["*"]
+    - identity: tenant
+      pools: [fast]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &config.Management{Listen: "192.0.2.10:7481", Cert: "/etc/rblk/tls/server.crt", Key: "/etc/rblk/tls/server.key", ClientCA: "/etc/rblk/tls/ca.crt",
+		Clients: []config.ManagementClient{{Identity: "rblk-csi-controller", Pools: []string{"*"}}, {Identity: "tenant", Pools: []string{"fast"}}}, Line: 5}
+	if !reflect.DeepEqual(c.Management, want) {
+		t.Errorf("management\n got %+v\nwant %+v", c.Management, want)
 	}
 }
 

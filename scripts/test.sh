@@ -7,7 +7,7 @@
 # Debian's is new enough), then runs every
 # check and keeps going after a failure, so one run shows them all:
 #
-#   build, go mod tidy -diff, gofmt, go vet, staticcheck, go vet and staticcheck of transport/
+#   build, go mod tidy -diff, gofmt, the generated code, go vet, staticcheck, go vet and staticcheck of transport/
 #   with -tags rdma (the verbs provider, cgo), the alert rules (promtool),
 #   unit tests (-race), the end-to-end
 #   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
@@ -81,9 +81,9 @@ setup() {
 	# qemu-io/qemu-img, nbdinfo and nbdfuse, fio, fusermount3, nbdkit (the
 	# slow disk of the fault tests), e2fsprogs, losetup and mount, a C
 	# toolchain for the race detector, and rdma-core's headers for the verbs
-	# provider (-tags rdma).
+	# provider (-tags rdma), protoc for the management API's generated code.
 	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
-		libibverbs-dev librdmacm-dev prometheus systemd
+		libibverbs-dev librdmacm-dev prometheus systemd protobuf-compiler
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
@@ -204,6 +204,7 @@ step "go build ./..." go build ./...
 # nothing it does not need (go mod tidy would change nothing).
 step "go mod tidy -diff" go mod tidy -diff
 step "gofmt -l ." gofmt_check
+step "generated code: manage/managepb is what manage.proto generates (scripts/gen-proto.sh --check)" scripts/gen-proto.sh --check
 step "go vet ./..." go vet ./...
 step "staticcheck ./..." staticcheck ./...
 step "go vet, staticcheck and go test -tags rdma ./transport/..." rdma_lint

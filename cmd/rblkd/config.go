@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -27,6 +28,9 @@ type fileState struct {
 	// pools are the storage pools of the file at start (a change needs a
 	// restart).
 	pools []config.Pool
+	// management is the remote management API of the file at start (a
+	// change needs a restart); nil: off.
+	management *config.Management
 	// adminSocketSet: --admin-socket or admin_socket was given (a socket
 	// in use is then an error, not a warning).
 	adminSocketSet bool
@@ -56,6 +60,7 @@ func loadConfig(cmd *cobra.Command, f *serveFlags) error {
 		}
 		f.file.fileExports = c.ExportConfigs()
 		f.file.pools = c.Pools
+		f.file.management = c.Management
 	}
 	f.file.running = settingsOf(fl)
 	return nil
@@ -141,4 +146,15 @@ func samePools(a, b []config.Pool) bool {
 	return slices.EqualFunc(a, b, func(x, y config.Pool) bool {
 		return x.Name == y.Name && x.Directory == y.Directory && x.Capacity == y.Capacity && maps.Equal(x.Labels, y.Labels)
 	})
+}
+
+// sameManagement reports whether a and b configure the same management
+// API (where they stand in the file aside).
+func sameManagement(a, b *config.Management) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	x, y := *a, *b
+	x.Line, y.Line = 0, 0
+	return reflect.DeepEqual(x, y)
 }

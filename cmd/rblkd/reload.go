@@ -340,6 +340,10 @@ func (d *daemon) reload(ctx context.Context) (msg string, err error) {
 		d.log.Warn("pools: changed in the configuration needs a restart: keeping the running pools")
 		changes = append(changes, "pools needs a restart")
 	}
+	if !sameManagement(c.Management, d.file.management) {
+		d.log.Warn("management: changed in the configuration needs a restart: keeping the running management API")
+		changes = append(changes, "management needs a restart")
+	}
 	changes, errs := d.apply(ctx, ops, prepared, changes)
 	discard() // those not added (after a failure)
 	msg = strings.Join(changes, ", ")

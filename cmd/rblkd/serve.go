@@ -14,6 +14,7 @@ import (
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/config"
 	"github.com/rblk/rblk/manage"
+	"github.com/rblk/rblk/manage/remote"
 	"github.com/rblk/rblk/pool"
 	"github.com/rblk/rblk/target"
 	"github.com/rblk/rblk/transport/providers"
@@ -67,7 +68,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newServeCmd(), newExportCmd(), newVolumeCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
+	root.AddCommand(newServeCmd(), newExportCmd(), newVolumeCmd(), newCertCmd(), newDoctorCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
@@ -233,8 +234,24 @@ func serve(f serveFlags) error {
 			return err
 		}
 	}
+	var api *remote.Server
+	if m := f.file.management; m != nil {
+		opts := remote.Options{Listen: m.Listen, CertFile: m.Cert, KeyFile: m.Key, ClientCAFile: m.ClientCA, Logger: log, Registerer: reg}
+		for _, c := range m.Clients {
+			opts.Clients = append(opts.Clients, remote.Client{Identity: c.Identity, Pools: c.Pools})
+		}
+		if api, err = remote.Listen(svc, opts); err != nil {
+			t.Close()
+			return err
+		}
+		defer api.Close()
+		log.Info("management API", zap.String("listen", api.Addr()), zap.Int("clients", len(opts.Clients)))
+	}
 	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log)
 	if err != nil {
+		if api != nil {
+			api.Close()
+		}
 		t.Close()
 		return err
 	}
@@ -259,6 +276,9 @@ func serve(f serveFlags) error {
 	// depends on rblkd.
 	defer cli.NotifyReady(ctx, log, fmt.Sprintf("serving %d exports on %s", len(t.Exports()), l.Addr()))()
 	serveErr := t.Serve(ctx, l)
+	if api != nil {
+		api.Close() // (before the target: no request may change it while it closes)
+	}
 	d.stop()
 	log.Info("stopping: writing back and syncing every volume")
 	closeErr := t.Close()
