@@ -126,6 +126,36 @@ func TestPools(t *testing.T) {
 	}
 }
 
+// TestExampleCommented: the example's commented pools: and management:
+// parse once uncommented.
+func TestExampleCommented(t *testing.T) {
+	b, err := os.ReadFile("../systemd/rblkd.yaml.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	on := false
+	for _, l := range strings.Split(string(b), "\n") {
+		switch {
+		case l == "#pools:" || l == "#management:":
+			on = true
+			l = l[1:]
+		case on && strings.HasPrefix(l, "#  "):
+			l = l[1:]
+		default:
+			on = false
+		}
+		out = append(out, l)
+	}
+	c, err := config.Parse("rblkd.yaml.example", []byte(strings.Join(out, "\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Pools) != 1 || c.Management == nil || len(c.Management.Clients) != 1 {
+		t.Fatalf("the example's pools %+v and management %+v, want one pool and one client", c.Pools, c.Management)
+	}
+}
+
 // TestManagement: management: parses.
 func TestManagement(t *testing.T) {
 	c, err := config.Parse("rblkd.yaml", []byte(`pools:
