@@ -34,7 +34,8 @@ func CodeOf(err error) Code {
 		return OK
 	case errors.Is(err, pool.ErrInvalid), errors.Is(err, target.ErrBadSize), errors.Is(err, target.ErrShrink):
 		return InvalidArgument
-	case errors.Is(err, pool.ErrNotFound), errors.Is(err, ErrNoPool), errors.Is(err, target.ErrNoExport):
+	case errors.Is(err, pool.ErrNotFound), errors.Is(err, ErrNoPool), errors.Is(err, target.ErrNoExport),
+		errors.Is(err, ErrUnknownHost):
 		return NotFound
 	case errors.Is(err, pool.ErrExists), errors.Is(err, target.ErrExportExists):
 		return AlreadyExists

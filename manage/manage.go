@@ -21,6 +21,19 @@ var ErrNoPool = errors.New("no such pool")
 // ErrInvalid is pool.ErrInvalid: a bad name, size or host ID.
 var ErrInvalid = pool.ErrInvalid
 
+// ErrUnknownHost: Publish to a host that cannot exist (Options.KnownHost
+// refuses it: rblkd has no key for it).
+var ErrUnknownHost = errors.New("unknown host")
+
+// Options configure a Service.
+type Options struct {
+	// Logger: what was done, and volumes not served. Default: none.
+	Logger *zap.Logger
+	// KnownHost, if set, says whether a host ID can open volumes (rblkd
+	// has its key): Publish to another is ErrUnknownHost. Nil: any host.
+	KnownHost func(host string) bool
+}
+
 // Target is what the Service needs of the target (a *target.Target).
 type Target interface {
 	PrepareExport(ctx context.Context, e target.ExportConfig) (*target.PreparedExport, error)
@@ -37,6 +50,7 @@ type Service struct {
 	t     Target
 	pools map[string]*pool.Pool
 	log   *zap.Logger
+	known func(host string) bool
 
 	// locks serializes the operations on one volume (by export name);
 	// operations on other volumes go on meanwhile.
@@ -47,11 +61,12 @@ type Service struct {
 // New serves every volume of pools on t (a damaged one is logged and
 // left out) and returns the Service that manages them. A volume that
 // cannot be served fails New.
-func New(ctx context.Context, t Target, pools []*pool.Pool, log *zap.Logger) (*Service, error) {
+func New(ctx context.Context, t Target, pools []*pool.Pool, opts Options) (*Service, error) {
+	log := opts.Logger
 	if log == nil {
 		log = zap.NewNop()
 	}
-	s := &Service{t: t, pools: map[string]*pool.Pool{}, log: log, locks: map[string]chan struct{}{}}
+	s := &Service{t: t, pools: map[string]*pool.Pool{}, log: log, known: opts.KnownHost, locks: map[string]chan struct{}{}}
 	for _, p := range pools {
 		s.pools[p.Name()] = p
 	}
@@ -267,10 +282,14 @@ func checkHost(host string) error {
 }
 
 // Publish lets host open volume name of pool poolName (recorded first,
-// then applied). Publishing a host twice is no change.
+// then applied). Publishing a host twice is no change. A host that cannot
+// exist (Options.KnownHost) is ErrUnknownHost.
 func (s *Service) Publish(ctx context.Context, poolName, name, host string) (Volume, error) {
 	if err := checkHost(host); err != nil {
 		return Volume{}, fmt.Errorf("publish volume %q: %w", name, err)
+	}
+	if s.known != nil && !s.known(host) {
+		return Volume{}, fmt.Errorf("publish volume %q to host %q: rblkd has no key for it (its --auth-file): %w", name, host, ErrUnknownHost)
 	}
 	p, unlock, err := s.begin(ctx, poolName, name)
 	if err != nil {

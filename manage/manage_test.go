@@ -50,7 +50,7 @@ func startNode(t *testing.T, dir string) *node {
 		pools = append(pools, p)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	svc, err := manage.New(ctx, tg, pools, nil)
+	svc, err := manage.New(ctx, tg, pools, manage.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,3 +214,36 @@ func TestCodes(t *testing.T) {
 
 func first[T any](_ T, err error) error          { return err }
 func second[T, U any](_ T, _ U, err error) error { return err }
+
+// TestPublishUnknownHost: with KnownHost, a host rblkd has no key for is
+// NotFound, and nothing is recorded.
+func TestPublishUnknownHost(t *testing.T) {
+	transporttest.CheckGoroutines(t)
+	tg, err := target.New(target.Options{CacheSize: 4 << 20, ChunkSize: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	p, err := pool.Open(pool.Config{Name: "fast", Dir: filepath.Join(t.TempDir(), "fast")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx := context.Background()
+	svc, err := manage.New(ctx, tg, []*pool.Pool{p}, manage.Options{KnownHost: func(h string) bool { return h == "node-a" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := svc.Create(ctx, "fast", "v", 4096, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := svc.Publish(ctx, "fast", "v", "node-x"); !errors.Is(err, manage.ErrUnknownHost) || manage.CodeOf(err) != manage.NotFound {
+		t.Fatalf("publish to a host without a key: %v (%s), want ErrUnknownHost, NotFound", err, manage.CodeOf(err))
+	}
+	if _, err := svc.Publish(ctx, "fast", "v", "node-a"); err != nil {
+		t.Fatal(err)
+	}
+	if v, _ := svc.Get("fast", "v"); len(v.Hosts) != 1 || v.Hosts[0] != "node-a" {
+		t.Fatalf("hosts %q, want [node-a]", v.Hosts)
+	}
+}

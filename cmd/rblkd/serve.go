@@ -229,7 +229,11 @@ func serve(f serveFlags) error {
 	}()
 	var svc *manage.Service
 	if len(pools) > 0 {
-		if svc, err = manage.New(ctx, t, pools, log); err != nil {
+		mo := manage.Options{Logger: log}
+		if keys != nil {
+			mo.KnownHost = func(h string) bool { _, ok := keys.Secret(h); return ok }
+		}
+		if svc, err = manage.New(ctx, t, pools, mo); err != nil {
 			t.Close()
 			return err
 		}

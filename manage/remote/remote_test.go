@@ -112,7 +112,7 @@ func start(t *testing.T) *env {
 		t.Cleanup(p.Close)
 		pools = append(pools, p)
 	}
-	svc, err := manage.New(context.Background(), tg, pools, nil)
+	svc, err := manage.New(context.Background(), tg, pools, manage.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
