@@ -3,6 +3,7 @@ module github.com/rblk/rblk
 go 1.26.8
 
 require (
+	github.com/container-storage-interface/spec v1.13.0
 	github.com/mdlayher/genetlink v1.4.0
 	github.com/mdlayher/netlink v1.9.0
 	github.com/pojntfx/go-nbd v0.3.2

@@ -10,7 +10,8 @@
 #   build, go mod tidy -diff, gofmt, the generated code, go vet, staticcheck, go vet and staticcheck of transport/
 #   with -tags rdma (the verbs provider, cgo), the alert rules (promtool),
 #   unit tests (-race), the end-to-end
-#   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), every
+#   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), the CSI
+#   conformance suite (csi-sanity) against rblk-csi and rblkd, every
 #   fuzz target of protocol/ for FUZZTIME each (default 10s), and the test on
 #   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernels (6.1
 #   and 6.12) under qemu with Soft-RoCE and runs the e2e suite over verbs
@@ -212,6 +213,7 @@ step "promtool check rules and test rules dashboards/alerts.yml" alert_rules
 step "systemd units: systemd-analyze verify (scripts/verify-units.sh)" units_check
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
+step "CSI conformance: csi-sanity, Identity and Controller, against rblk-csi and a real rblkd (scripts/csi-sanity.sh)" scripts/csi-sanity.sh
 fuzz_all
 if [ "${RBLK_SKIP_VM:-0}" = 1 ]; then
 	warn "RBLK_SKIP_VM=1: the test on a real kernel RDMA stack is left out"

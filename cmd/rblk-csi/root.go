@@ -1,0 +1,115 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/rblk/rblk/cmd/internal/cli"
+	"github.com/rblk/rblk/csidriver"
+	"github.com/rblk/rblk/manage/remote"
+)
+
+// version is set at build time (-ldflags -X main.version=...).
+var version = "dev"
+
+type flags struct {
+	mode, endpoint, logFormat         string
+	debug                             bool
+	inventory, tlsCert, tlsKey, tlsCA string
+	hostID, hostIDFile                string
+	topology                          []string
+}
+
+func newRootCmd() *cobra.Command {
+	var f flags
+	root := &cobra.Command{
+		Use:   "rblk-csi --mode controller|node --endpoint unix:///PATH",
+		Short: "rblk's CSI driver: volumes in rblkd's storage pools for Kubernetes",
+		Long: `rblk-csi serves the CSI identity service and, by --mode, the controller
+service (one per cluster, beside external-provisioner, external-attacher and
+external-resizer: it creates, publishes, fences and grows volumes in the pools
+of the rblkd targets of --inventory through their management API) or the node
+service (one per node, beside node-driver-registrar: its node ID is the node's
+rblk host ID).`,
+		Args:          cobra.NoArgs,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		RunE:          func(*cobra.Command, []string) error { return run(f) },
+	}
+	fl := root.Flags()
+	fl.StringVar(&f.mode, "mode", "", "controller or node (required)")
+	fl.StringVar(&f.endpoint, "endpoint", "unix:///csi/csi.sock", "the CSI socket, unix:///PATH")
+	fl.StringVar(&f.logFormat, "log-format", "json", "log format: console or json")
+	fl.BoolVar(&f.debug, "debug", false, "debug logs")
+	fl.StringVar(&f.inventory, "inventory", "", "controller: the targets, a YAML file (see README, Kubernetes)")
+	fl.StringVar(&f.tlsCert, "tls-cert", "", "controller: the client certificate for the targets' management API")
+	fl.StringVar(&f.tlsKey, "tls-key", "", "controller: its key")
+	fl.StringVar(&f.tlsCA, "tls-ca", "", "controller: the CA that signs the targets' certificates")
+	fl.StringVar(&f.hostID, "host-id", "", "node: this node's rblk host ID, its CSI node ID (default: --host-id-file)")
+	fl.StringVar(&f.hostIDFile, "host-id-file", "/etc/rblk/hostid", "node: the file of this node's host ID")
+	fl.StringArrayVar(&f.topology, "topology", nil, "node: KEY=VALUE, where the node is (repeatable): the labels of the pools it reaches")
+	root.AddCommand(cli.GenDocsCmd(root))
+	return root
+}
+
+func run(f flags) error {
+	log, err := cli.NewLogger(f.logFormat, f.debug)
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+	ctx, cancel := cli.SignalContext()
+	defer cancel()
+	id := &csidriver.Identity{Version: version}
+	var srv *csidriver.Server
+	switch f.mode {
+	case "controller":
+		if f.inventory == "" || f.tlsCert == "" || f.tlsKey == "" || f.tlsCA == "" {
+			return fmt.Errorf("--mode controller needs --inventory, --tls-cert, --tls-key and --tls-ca")
+		}
+		inv, err := csidriver.LoadInventory(f.inventory)
+		if err != nil {
+			return err
+		}
+		tc, err := remote.ClientTLS(f.tlsCert, f.tlsKey, f.tlsCA, "")
+		if err != nil {
+			return err
+		}
+		targets, err := csidriver.NewInventory(inv, tc)
+		if err != nil {
+			return err
+		}
+		defer targets.Close()
+		id.Controller = true
+		if srv, err = csidriver.Listen(f.endpoint, id, csidriver.NewController(targets, log), nil, log); err != nil {
+			return err
+		}
+		log.Info("rblk-csi controller serving", zap.String("endpoint", f.endpoint), zap.Int("targets", len(inv.Targets)), zap.String("version", version))
+	case "node":
+		host, err := cli.HostID(f.hostID, f.hostIDFile, log)
+		if err != nil {
+			return err
+		}
+		topo := map[string]string{}
+		for _, t := range f.topology {
+			k, v, ok := strings.Cut(t, "=")
+			if !ok || k == "" {
+				return fmt.Errorf("--topology %q: want KEY=VALUE", t)
+			}
+			topo[k] = v
+		}
+		if srv, err = csidriver.Listen(f.endpoint, id, nil, &csidriver.Node{HostID: host, Topology: topo}, log); err != nil {
+			return err
+		}
+		log.Info("rblk-csi node serving", zap.String("endpoint", f.endpoint), zap.String("node_id", host), zap.Any("topology", topo), zap.String("version", version))
+	default:
+		return fmt.Errorf("--mode %q: want controller or node", f.mode)
+	}
+	<-ctx.Done()
+	log.Info("stopping")
+	srv.Close()
+	return nil
+}
