@@ -182,10 +182,15 @@ func TestLongErrorTextReply(t *testing.T) {
 		return err
 	}
 	for pad := range 3 {
+		// The disk fails before the write: the target's background
+		// write-back may take the chunk at any time after its Done (in
+		// the guest's soak under the CPU hog it once did before a
+		// FailWrites that came after the write, and the flush found
+		// nothing to write).
+		disk.FailWrites(errors.New(strings.Repeat("x", pad) + strings.Repeat("€", 700)))
 		if err := write(t, v, uint64(pad)*4096, []byte("data"), false); err != nil {
 			t.Fatal(err)
 		}
-		disk.FailWrites(errors.New(strings.Repeat("x", pad) + strings.Repeat("€", 700)))
 		if err := flush(); err == nil || !strings.Contains(err.Error(), "€€€") {
 			t.Fatalf("pad %d: flush with a failing disk: %v, want the disk's error", pad, err)
 		}
