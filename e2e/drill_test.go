@@ -1,0 +1,138 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/rblk/rblk/csidriver"
+	"github.com/rblk/rblk/manage/remote"
+)
+
+// TestNodeFailureDrill: a volume moves off a node that goes on writing,
+// through rblk-csi's controller (in this process, as rblk-csi --mode
+// controller runs it) and a real rblkd with pools, its management API and
+// authentication. Node A has the volume published and writes 0xaa over
+// its first 4 MiB without pause; node B's publish is refused while A holds
+// it; ControllerUnpublishVolume(A) fences A before it answers; B is
+// published, attaches and writes 0xbb there. A's writes after the fence
+// fail (its attach ends, told it was fenced), and the file holds B's bytes
+// alone. It logs the time from ControllerUnpublishVolume to B's first
+// write. (rblk-attach stands in for the node service, which does not
+// stage yet.)
+func TestNodeFailureDrill(t *testing.T) {
+	needTools(t, "qemu-io", "fio")
+	dir := t.TempDir()
+	authFile, secretA, secretB := authFiles(t)
+	tlsDir := filepath.Join(dir, "tls")
+	for _, args := range [][]string{{"ca"}, {"server", "--name", "storage-1", "--host", "127.0.0.1"}, {"client", "--name", "rblk-csi-controller"}} {
+		mustRun(t, cmdTimeout, rblkdBin, append(append([]string{"cert"}, args...), "--dir", tlsDir)...)
+	}
+	f := func(name string) string { return filepath.Join(tlsDir, name) }
+	apiAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	cfg := filepath.Join(dir, "rblkd.yaml")
+	conf := fmt.Sprintf("pools:\n  - name: fast\n    directory: %s\n    capacity: 256M\nmanagement:\n  listen: %s\n  cert: %s\n  key: %s\n  client_ca: %s\n"+
+		"  clients:\n    - identity: rblk-csi-controller\n      pools: [\"*\"]\n",
+		filepath.Join(dir, "fast"), apiAddr, f("storage-1.crt"), f("storage-1.key"), f("ca.crt"))
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tg := startTarget(t, nil, "--config", cfg, "--auth-file", authFile)
+	if err := waitUntil(tg.proc, 20*time.Second, func() bool { return strings.Contains(tg.out.String(), "management API") }); err != nil {
+		t.Fatal(err)
+	}
+
+	tc, err := remote.ClientTLS(f("rblk-csi-controller.crt"), f("rblk-csi-controller.key"), f("ca.crt"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := csidriver.NewInventory(&csidriver.InventoryFile{Targets: []csidriver.TargetConfig{
+		{Name: "storage-1", Management: apiAddr, Address: tg.addr, Transport: e2eTransport()}}}, tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inv.Close()
+	ctrl := csidriver.NewController(inv, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), cmdTimeout)
+	defer cancel()
+	capability := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	cr, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-drill", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{capability}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vol := cr.Volume
+	export := vol.VolumeContext[csidriver.CtxExport]
+	publish := func(node string) error {
+		_, err := ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.VolumeId, NodeId: node, VolumeCapability: capability})
+		return err
+	}
+	if err := publish("host-a"); err != nil {
+		t.Fatal(err)
+	}
+	a := startAttach(t, tg, export, "--host-id", "host-a", "--secret-file", secretA)
+	fioA := startFio(t, append(append([]string{"--name=node-a"}, fioTarget(a.uri(""))...), "--rw=write", "--bs=64k", "--size=4m",
+		"--iodepth=4", "--time_based", "--runtime=120", "--buffer_pattern=0xaa")...)
+	// A is writing.
+	pollUntil(t, 60*time.Second, "node A's writes to reach the target", func() bool {
+		v, _ := metricSum(scrape(t, tg.metrics), "rblkd_written_bytes_total", `export="`+export+`"`)
+		return v >= 8<<20
+	})
+	if err := publish("host-b"); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("publish to node B while node A holds the volume: %v, want FailedPrecondition", err)
+	}
+
+	start := time.Now()
+	if _, err := ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol.VolumeId, NodeId: "host-a"}); err != nil {
+		t.Fatal(err)
+	}
+	fenced := time.Since(start)
+	if err := publish("host-b"); err != nil {
+		t.Fatal(err)
+	}
+	b := startAttach(t, tg, export, "--host-id", "host-b", "--secret-file", secretB)
+	qemuIO(t, b.uri(""), []qop{{kind: 'w', off: 0, n: 64 << 10, pattern: 0xbb}})
+	firstWrite := time.Since(start)
+	qemuIO(t, b.uri(""), []qop{{kind: 'w', off: 64 << 10, n: 4<<20 - 64<<10, pattern: 0xbb}, {kind: 'f'}})
+	t.Logf("node failure drill: ControllerUnpublishVolume (node A fenced) took %v; node B's first write came %v after it", fenced.Round(time.Millisecond), firstWrite.Round(time.Millisecond))
+
+	// A's writes after the fence failed: its attach ended, told it was
+	// fenced, and fio with it.
+	select {
+	case <-a.done:
+	case <-time.After(stopTimeout):
+		t.Fatalf("node A's rblk-attach still runs after its unpublish\n%s", a.out.String())
+	}
+	if a.waitErr == nil || !strings.Contains(a.out.String(), `host "host-a" fenced off export "`+export+`"`) {
+		t.Fatalf("node A's rblk-attach: %v, want a failure that says it was fenced\n%s", a.waitErr, a.out.String())
+	}
+	a.checkOutput(t)
+	<-fioA.done
+	if fioA.r.code == 0 && !strings.Contains(fioA.r.stdout+fioA.r.stderr, "error") {
+		t.Errorf("node A's writes after the fence did not fail: fio exit %d\n%s", fioA.r.code, fioA.r.stderr)
+	}
+	qemuIO(t, b.uri(""), []qop{{kind: 'r', off: 0, n: 4 << 20, pattern: 0xbb}})
+	b.stop(t, stopTimeout)
+	tg.stop(t, stopTimeout)
+	file, err := os.ReadFile(filepath.Join(dir, "fast", "pvc-drill.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(file[:4<<20], bytes.Repeat([]byte{0xbb}, 4<<20)) {
+		i := 0
+		for file[i] == 0xbb {
+			i++
+		}
+		t.Fatalf("the file holds %#x at %d: not node B's bytes alone (a write of node A's landed after its fence?)", file[i], i)
+	}
+}
