@@ -7,10 +7,15 @@
 // shared, the hosts it is published to). The record is the commit: a
 // volume exists once its record is in place (written beside it, synced,
 // renamed over, the directory synced), and is gone once its record is
-// removed. A data file without a record (a create or a delete cut short
-// by a crash) is no volume: Open removes it, and a create of its name
-// starts from an empty file. The record names the data file's inode: a
-// data file replaced behind the pool's back is refused, not served.
+// removed. A create makes the data file as .NAME.img.new, writes the
+// record, then renames the data file into place; a delete renames the
+// data file to .NAME.img.new's twin .NAME.img.del, removes the record,
+// then the file. Open finishes what a crash cut short (a create whose
+// record is written goes in place; a delete that began is done) and
+// removes what never committed. A NAME.img without a record is not the
+// pool's (a file put there by hand): it is left alone and its name cannot
+// be created. The record names the data file's inode: a data file
+// replaced behind the pool's back is refused, not served.
 //
 // The caller's duties: a Pool does no IO on volumes' data and knows
 // nothing of sessions. Before Delete, the caller stops serving the volume

@@ -41,6 +41,15 @@ var (
 	ErrDamaged = errors.New("volume damaged")
 )
 
+// testCrash, set by tests only, is asked at each step of a create and a
+// delete whether the process dies there: if it says so, the operation
+// stops at once, as a kill -9 would stop it, and returns errCrashed.
+var testCrash func(point string) bool
+
+var errCrashed = errors.New("crashed (test)")
+
+func crash(point string) bool { return testCrash != nil && testCrash(point) }
+
 // BlockSize is the unit of volume sizes: a size is a multiple of it.
 const BlockSize = 4096
 
@@ -53,6 +62,8 @@ const MaxNameLen = 200
 // File name suffixes in a pool's directory.
 const (
 	dataSuffix = ".img"
+	newSuffix  = ".img.new" // .NAME.img.new: a data file being created
+	delSuffix  = ".img.del" // .NAME.img.del: a data file being deleted
 	metaSuffix = ".meta"
 	lockName   = ".rblk-pool.lock"
 )
@@ -162,7 +173,7 @@ func Open(cfg Config) (*Pool, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o750); err != nil {
 		return nil, fmt.Errorf("pool %q: %w", cfg.Name, err)
 	}
-	st, err := os.Lstat(cfg.Dir)
+	st, err := os.Stat(cfg.Dir)
 	if err != nil {
 		return nil, fmt.Errorf("pool %q: %w", cfg.Name, err)
 	}
@@ -187,6 +198,10 @@ func lockFile(name string) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("lock file: %w", err)
 	}
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		f.Close()
+		return nil, fmt.Errorf("lock file %s: not a regular file", name)
+	}
 	for {
 		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
 		if !errors.Is(err, unix.EINTR) {
@@ -204,7 +219,15 @@ func lockFile(name string) (*os.File, error) {
 	return f, nil
 }
 
-// load reads the records and cleans up after a crash.
+// load reads the records and finishes or undoes what a crash cut short:
+//   - a record being written (.NAME.meta.tmp) is removed;
+//   - a data file being created (.NAME.img.new) is put in place if its
+//     record was written (the create had committed), else removed;
+//   - a data file being deleted (.NAME.img.del) is removed, with its
+//     record if that is still there (the delete had begun).
+//
+// A NAME.img without a record is no volume of the pool (a file put there
+// by hand): it is left alone, and reported.
 func (p *Pool) load() error {
 	entries, err := os.ReadDir(p.cfg.Dir)
 	if err != nil {
@@ -216,21 +239,7 @@ func (p *Pool) load() error {
 	}
 	for _, e := range entries {
 		n := e.Name()
-		switch {
-		case strings.HasPrefix(n, ".") && strings.HasSuffix(n, ".tmp"):
-			p.log.Warn("removing a record left half-written by a crash", zap.String("file", n))
-			if err := os.Remove(filepath.Join(p.cfg.Dir, n)); err != nil {
-				return fmt.Errorf("remove %s: %w", n, err)
-			}
-		case strings.HasSuffix(n, dataSuffix):
-			name := strings.TrimSuffix(n, dataSuffix)
-			if CheckName(name) == nil && !have[name+metaSuffix] {
-				p.log.Warn("removing a data file without a record (a create or delete cut short)", zap.String("file", n))
-				if err := os.Remove(filepath.Join(p.cfg.Dir, n)); err != nil {
-					return fmt.Errorf("remove %s: %w", n, err)
-				}
-			}
-		case strings.HasSuffix(n, metaSuffix):
+		if !strings.HasPrefix(n, ".") && strings.HasSuffix(n, metaSuffix) {
 			name := strings.TrimSuffix(n, metaSuffix)
 			if CheckName(name) != nil {
 				continue // not the pool's
@@ -244,13 +253,49 @@ func (p *Pool) load() error {
 				p.log.Error("volume damaged: not served", zap.String("volume", name), zap.Error(err))
 				continue
 			}
+			if r == nil {
+				continue // a delete finished
+			}
 			p.vols[name] = r
+		}
+	}
+	for _, e := range entries {
+		n := e.Name()
+		switch {
+		case strings.HasPrefix(n, ".") && strings.HasSuffix(n, metaSuffix+".tmp"):
+			p.log.Warn("removing a record left half-written by a crash", zap.String("file", n))
+			if err := removeIfThere(filepath.Join(p.cfg.Dir, n)); err != nil {
+				return err
+			}
+		case strings.HasPrefix(n, ".") && (strings.HasSuffix(n, newSuffix) || strings.HasSuffix(n, delSuffix)):
+			name := strings.TrimSuffix(strings.TrimSuffix(strings.TrimPrefix(n, "."), newSuffix), delSuffix)
+			if p.vols[name] != nil || p.damaged[name] != nil || !have[n] {
+				continue
+			}
+			p.log.Warn("removing a data file a crash left of a create or a delete", zap.String("file", n))
+			if err := removeIfThere(filepath.Join(p.cfg.Dir, n)); err != nil {
+				return err
+			}
+		case strings.HasSuffix(n, dataSuffix) && !strings.HasPrefix(n, "."):
+			name := strings.TrimSuffix(n, dataSuffix)
+			if p.vols[name] == nil && p.damaged[name] == nil {
+				p.log.Warn("a data file without a record is no volume of the pool: left alone (a volume of its name cannot be created)", zap.String("file", n))
+			}
 		}
 	}
 	return syncDir(p.cfg.Dir)
 }
 
-// readRecord reads NAME.meta and checks it against NAME.img.
+func removeIfThere(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", path, err)
+	}
+	return nil
+}
+
+// readRecord reads NAME.meta and checks it against NAME.img, finishing
+// a create or a delete a crash cut short (see load): nil, nil for a
+// delete it finished.
 func (p *Pool) readRecord(name string) (*record, error) {
 	b, _, err := safeopen.ReadFile(p.metaPath(name), maxRecord)
 	if err != nil {
@@ -264,6 +309,22 @@ func (p *Pool) readRecord(name string) (*record, error) {
 		return nil, fmt.Errorf("%w: its record is version %d of %q, want version %d of %q", ErrDamaged, r.Version, r.Name, recordVersion, name)
 	}
 	st, err := os.Lstat(p.dataPath(name))
+	if errors.Is(err, fs.ErrNotExist) {
+		switch {
+		case inodeIs(p.newPath(name), r.Ino):
+			p.log.Warn("finishing a create a crash cut short", zap.String("volume", name))
+			if err := os.Rename(p.newPath(name), p.dataPath(name)); err != nil {
+				return nil, fmt.Errorf("finish the create of volume %q: %w", name, err)
+			}
+			st, err = os.Lstat(p.dataPath(name))
+		case inodeIs(p.delPath(name), r.Ino):
+			p.log.Warn("finishing a delete a crash cut short", zap.String("volume", name))
+			if err := removeIfThere(p.metaPath(name)); err != nil {
+				return nil, err
+			}
+			return nil, removeIfThere(p.delPath(name))
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: its data file: %v", ErrDamaged, err)
 	}
@@ -276,7 +337,15 @@ func (p *Pool) readRecord(name string) (*record, error) {
 	return &r, nil
 }
 
+// inodeIs reports whether path is a regular file of inode ino.
+func inodeIs(path string, ino uint64) bool {
+	st, err := os.Lstat(path)
+	return err == nil && st.Mode().IsRegular() && st.Sys().(*syscall.Stat_t).Ino == ino
+}
+
 func (p *Pool) dataPath(name string) string { return filepath.Join(p.cfg.Dir, name+dataSuffix) }
+func (p *Pool) newPath(name string) string  { return filepath.Join(p.cfg.Dir, "."+name+newSuffix) }
+func (p *Pool) delPath(name string) string  { return filepath.Join(p.cfg.Dir, "."+name+delSuffix) }
 func (p *Pool) metaPath(name string) string { return filepath.Join(p.cfg.Dir, name+metaSuffix) }
 
 // Name is the pool's name.
@@ -456,13 +525,30 @@ func (p *Pool) Create(name string, size int64, shared bool) (v Volume, created b
 		return Volume{}, false, fmt.Errorf("volume %q of %d bytes: pool %q has %d bytes available (capacity %d, provisioned %d): %w",
 			name, size, p.cfg.Name, c.Available, c.Limit, c.Provisioned, ErrNoSpace)
 	}
+	if _, err := os.Lstat(p.dataPath(name)); !errors.Is(err, fs.ErrNotExist) {
+		return Volume{}, false, fmt.Errorf("volume %q: %s is in pool %q's directory and is no volume of it (move it away): %w",
+			name, p.dataPath(name), p.cfg.Name, ErrExists)
+	}
 	ino, err := p.createData(name, size)
 	if err != nil {
 		return Volume{}, false, fmt.Errorf("create volume %q in pool %q: %w", name, p.cfg.Name, err)
 	}
+	if crash("create: data file made") {
+		return Volume{}, false, errCrashed
+	}
 	r := &record{Version: recordVersion, Name: name, Ino: ino, Shared: shared, Hosts: []string{}, Created: time.Now().UTC().Truncate(time.Second)}
 	if err := p.writeRecord(r); err != nil {
-		os.Remove(p.dataPath(name))
+		os.Remove(p.newPath(name))
+		return Volume{}, false, fmt.Errorf("create volume %q in pool %q: %w", name, p.cfg.Name, err)
+	}
+	if crash("create: record written") {
+		return Volume{}, false, errCrashed
+	}
+	// Committed: the data file goes in place (a crash before load finishes).
+	if err := os.Rename(p.newPath(name), p.dataPath(name)); err != nil {
+		return Volume{}, false, fmt.Errorf("create volume %q in pool %q: %w", name, p.cfg.Name, err)
+	}
+	if err := syncDir(p.cfg.Dir); err != nil {
 		return Volume{}, false, fmt.Errorf("create volume %q in pool %q: %w", name, p.cfg.Name, err)
 	}
 	p.vols[name] = r
@@ -474,11 +560,13 @@ func (p *Pool) Create(name string, size int64, shared bool) (v Volume, created b
 	return v, true, nil
 }
 
-// createData makes NAME.img an empty sparse file of size bytes, synced:
-// a file left by an earlier try (without a record: never a volume) is
-// emptied first, so nothing of it shows through.
+// createData makes .NAME.img.new a new, empty sparse file of size bytes,
+// synced (one an earlier try left is removed first).
 func (p *Pool) createData(name string, size int64) (ino uint64, err error) {
-	f, _, err := safeopen.Open(p.dataPath(name), os.O_RDWR|os.O_CREATE, 0o600, safeopen.Regular)
+	if err := removeIfThere(p.newPath(name)); err != nil {
+		return 0, err
+	}
+	f, err := os.OpenFile(p.newPath(name), os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return 0, err
 	}
@@ -487,9 +575,6 @@ func (p *Pool) createData(name string, size int64) (ino uint64, err error) {
 			err = cerr
 		}
 	}()
-	if err := f.Truncate(0); err != nil {
-		return 0, err
-	}
 	if err := f.Truncate(size); err != nil {
 		return 0, err
 	}
@@ -511,7 +596,10 @@ func (p *Pool) writeRecord(r *record) error {
 		return err
 	}
 	tmp := filepath.Join(p.cfg.Dir, "."+r.Name+metaSuffix+".tmp")
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
+	if err := removeIfThere(tmp); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return fmt.Errorf("write its record: %w", err)
 	}
@@ -617,18 +705,29 @@ func (p *Pool) Delete(name string) error {
 	if p.vols[name] == nil {
 		return fmt.Errorf("volume %q of pool %q: %w", name, p.cfg.Name, ErrNotFound)
 	}
-	if err := os.Remove(p.metaPath(name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	// The data file out of the way first, then the record: from its
+	// removal on there is no volume (a crash between: load finishes).
+	if err := os.Rename(p.dataPath(name), p.delPath(name)); err != nil {
+		return fmt.Errorf("delete volume %q of pool %q: %w", name, p.cfg.Name, err)
+	}
+	if err := syncDir(p.cfg.Dir); err != nil {
+		return fmt.Errorf("delete volume %q of pool %q: %w", name, p.cfg.Name, err)
+	}
+	if crash("delete: data file renamed") {
+		return errCrashed
+	}
+	if err := removeIfThere(p.metaPath(name)); err != nil {
 		return fmt.Errorf("delete volume %q of pool %q: %w", name, p.cfg.Name, err)
 	}
 	delete(p.vols, name)
 	if err := syncDir(p.cfg.Dir); err != nil {
 		return fmt.Errorf("delete volume %q of pool %q: its record is removed, but: %w", name, p.cfg.Name, err)
 	}
-	// (Left behind if this fails: Open removes it.)
-	if err := os.Remove(p.dataPath(name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		p.log.Warn("delete the data file of a deleted volume", zap.String("volume", name), zap.Error(err))
-	} else {
-		syncDir(p.cfg.Dir)
+	if crash("delete: record removed") {
+		return errCrashed
+	}
+	if err := removeIfThere(p.delPath(name)); err != nil {
+		p.log.Warn("remove the data file of a deleted volume (the next start does)", zap.String("volume", name), zap.Error(err))
 	}
 	p.log.Info("volume deleted", zap.String("volume", name))
 	return nil

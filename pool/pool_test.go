@@ -181,50 +181,112 @@ func TestReopen(t *testing.T) {
 	}
 }
 
-// TestCrashLeftovers: what a crash leaves (a data file without a record,
-// a record being written) is removed at Open, and a create of that name
-// starts from zeros.
-func TestCrashLeftovers(t *testing.T) {
+// TestCrash kills a create and a delete at each of their steps (the
+// hook stops them there, as kill -9 would) and opens the pool again: each
+// volume is whole or absent, what never committed is gone, what committed
+// is finished.
+func TestCrash(t *testing.T) {
+	for _, c := range []struct {
+		point  string
+		exists bool // the volume, after the reopen
+	}{
+		{"create: data file made", false},
+		{"create: record written", true},
+		{"delete: data file renamed", false},
+		{"delete: record removed", false},
+	} {
+		t.Run(c.point, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "pool")
+			p, err := pool.Open(pool.Config{Name: "p", Dir: dir})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if strings.HasPrefix(c.point, "delete") {
+				if _, _, err := p.Create("v", 64<<10, false); err != nil {
+					t.Fatal(err)
+				}
+			}
+			pool.SetTestCrash(func(point string) bool { return point == c.point })
+			if strings.HasPrefix(c.point, "create") {
+				_, _, err = p.Create("v", 64<<10, false)
+			} else {
+				err = p.Delete("v")
+			}
+			pool.SetTestCrash(nil)
+			if err == nil {
+				t.Fatalf("the hook at %q did not fire", c.point)
+			}
+			p.Close()
+			p = open(t, pool.Config{Dir: dir})
+			if d := p.Damaged(); len(d) != 0 {
+				t.Fatalf("damaged after the crash: %v", d)
+			}
+			v, err := p.Get("v")
+			if c.exists != (err == nil) {
+				t.Fatalf("the volume after the crash: %+v, %v; want it there: %v", v, err, c.exists)
+			}
+			entries, _ := os.ReadDir(dir)
+			var names []string
+			for _, e := range entries {
+				if e.Name() != ".rblk-pool.lock" {
+					names = append(names, e.Name())
+				}
+			}
+			want := []string(nil)
+			if c.exists {
+				want = []string{"v.img", "v.meta"}
+				if v.Size != 64<<10 {
+					t.Fatalf("size %d after the crash", v.Size)
+				}
+			}
+			if strings.Join(names, " ") != strings.Join(want, " ") {
+				t.Fatalf("files after the crash: %q, want %q", names, want)
+			}
+			// And the name works again.
+			if !c.exists {
+				if _, _, err := p.Create("v", 64<<10, false); err != nil {
+					t.Fatalf("create after the crash: %v", err)
+				}
+			}
+		})
+	}
+}
+
+// TestStrangers: files a crash left (a record being written) go; a data
+// file without a record is not the pool's: left alone, untouched, and its
+// name is not created over it.
+func TestStrangers(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "pool")
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	secret := bytes.Repeat([]byte("old data "), 1000)
-	if err := os.WriteFile(filepath.Join(dir, "a.img"), secret, 0o600); err != nil {
+	precious := bytes.Repeat([]byte("an operator's data "), 1000)
+	if err := os.WriteFile(filepath.Join(dir, "a.img"), precious, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(dir, ".a.meta.tmp"), []byte(`{"version":1,`), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(dir, "notes.txt"), []byte("an operator's"), 0o600); err != nil {
-		t.Fatal(err)
-	}
 	p := open(t, pool.Config{Dir: dir})
-	for _, gone := range []string{"a.img", ".a.meta.tmp"} {
-		if _, err := os.Stat(filepath.Join(dir, gone)); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("%s after Open: %v, want it removed", gone, err)
-		}
-	}
-	if _, err := os.Stat(filepath.Join(dir, "notes.txt")); err != nil {
-		t.Errorf("a file not the pool's was touched: %v", err)
+	if _, err := os.Stat(filepath.Join(dir, ".a.meta.tmp")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a half-written record after Open: %v, want it removed", err)
 	}
 	if vols, _ := p.List(); len(vols) != 0 {
 		t.Fatalf("volumes after Open: %+v, want none", vols)
 	}
-	// A data file left by a create cut short, then created again: zeros.
-	if err := os.WriteFile(filepath.Join(dir, "b.img"), secret, 0o600); err != nil {
-		t.Fatal(err)
+	if _, _, err := p.Create("a", 64<<10, false); !errors.Is(err, pool.ErrExists) {
+		t.Fatalf("create over a file not the pool's: %v, want ErrExists", err)
 	}
+	if b, err := os.ReadFile(filepath.Join(dir, "a.img")); err != nil || !bytes.Equal(b, precious) {
+		t.Fatalf("a file not the pool's was touched: %v", err)
+	}
+	// A new volume reads zeros.
 	v, _, err := p.Create("b", 64<<10, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := os.ReadFile(v.Path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(b, make([]byte, 64<<10)) {
-		t.Fatal("a new volume shows the bytes of a file left behind")
+	if b, _ := os.ReadFile(v.Path); !bytes.Equal(b, make([]byte, 64<<10)) {
+		t.Fatal("a new volume is not zeros")
 	}
 }
 
