@@ -261,9 +261,11 @@ func (s *Service) Expand(ctx context.Context, poolName, name string, size int64)
 	if size == v.Size {
 		return s.report(p, v), nil
 	}
-	if err := p.CheckGrow(name, size); err != nil {
+	release, err := p.ReserveGrow(name, size)
+	if err != nil {
 		return Volume{}, err
 	}
+	defer release()
 	if err := s.t.Grow(ctx, v.Export(), size); err != nil {
 		return Volume{}, fmt.Errorf("expand volume %q of pool %q: %w", name, poolName, err)
 	}

@@ -155,7 +155,10 @@ type Pool struct {
 	mu      sync.Mutex
 	vols    map[string]*record
 	damaged map[string]error
-	closed  bool
+	// reserved is the growth ReserveGrow promised and its caller has not
+	// made yet: it counts as provisioned.
+	reserved int64
+	closed   bool
 }
 
 // Open opens the pool of cfg: it creates its directory if missing, takes
@@ -470,6 +473,8 @@ func (p *Pool) capacity() (Capacity, error) {
 		c.Provisioned += v.Size
 		c.Allocated += v.Allocated
 	}
+	// (A growth being made: the file may have grown already, or not.)
+	c.Provisioned += p.reserved
 	free := int64(fs.Bavail)*fs.Bsize - (c.Provisioned - c.Allocated) // what the volumes may still take
 	c.Available = max(0, min(c.Limit-c.Provisioned, free))
 	return c, nil
@@ -635,38 +640,49 @@ func syncDir(dir string) error {
 	return nil
 }
 
-// CheckGrow says whether volume name can grow to size bytes (a multiple
-// of BlockSize, not below its size): ErrNoSpace if the pool cannot take
-// the growth. The caller grows the file (the target's Grow); the pool
-// reads sizes from the files.
-func (p *Pool) CheckGrow(name string, size int64) error {
+// ReserveGrow reserves the room for volume name to grow to size bytes (a
+// multiple of BlockSize, not below its size): ErrNoSpace if the pool
+// cannot take the growth. The caller grows the file (the target's Grow),
+// then calls release: until then the growth counts as provisioned, so
+// that creates and other growths meanwhile cannot take the same room. The
+// pool reads sizes from the files.
+func (p *Pool) ReserveGrow(name string, size int64) (release func(), err error) {
 	if err := CheckName(name); err != nil {
-		return err
+		return nil, err
 	}
 	if err := checkSize(size); err != nil {
-		return fmt.Errorf("grow volume %q: %w", name, err)
+		return nil, fmt.Errorf("grow volume %q: %w", name, err)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	r := p.vols[name]
 	if r == nil {
-		return fmt.Errorf("grow volume %q of pool %q: %w", name, p.cfg.Name, ErrNotFound)
+		return nil, fmt.Errorf("grow volume %q of pool %q: %w", name, p.cfg.Name, ErrNotFound)
 	}
 	v, err := p.volume(r)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if size < v.Size {
-		return fmt.Errorf("grow volume %q to %d bytes: it is %d bytes, and volumes do not shrink: %w", name, size, v.Size, ErrInvalid)
+		return nil, fmt.Errorf("grow volume %q to %d bytes: it is %d bytes, and volumes do not shrink: %w", name, size, v.Size, ErrInvalid)
 	}
 	c, err := p.capacity()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	if size-v.Size > c.Available {
-		return fmt.Errorf("grow volume %q by %d bytes: pool %q has %d bytes available: %w", name, size-v.Size, p.cfg.Name, c.Available, ErrNoSpace)
+	grow := size - v.Size
+	if grow > c.Available {
+		return nil, fmt.Errorf("grow volume %q by %d bytes: pool %q has %d bytes available: %w", name, grow, p.cfg.Name, c.Available, ErrNoSpace)
 	}
-	return nil
+	p.reserved += grow
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			p.mu.Lock()
+			p.reserved -= grow
+			p.mu.Unlock()
+		})
+	}, nil
 }
 
 // SetHosts records hosts (sorted, without repeats) as the hosts volume

@@ -112,16 +112,29 @@ func TestCapacity(t *testing.T) {
 	if _, _, err := p.Create("b", 3<<20, false); !errors.Is(err, pool.ErrNoSpace) {
 		t.Fatalf("create past the capacity: %v, want ErrNoSpace", err)
 	}
-	if err := p.CheckGrow("a", 9<<20); !errors.Is(err, pool.ErrNoSpace) {
+	if _, err := p.ReserveGrow("a", 9<<20); !errors.Is(err, pool.ErrNoSpace) {
 		t.Fatalf("grow past the capacity: %v, want ErrNoSpace", err)
 	}
-	if err := p.CheckGrow("a", 8<<20); err != nil {
+	release, err := p.ReserveGrow("a", 8<<20)
+	if err != nil {
 		t.Fatalf("grow within the capacity: %v", err)
 	}
-	if err := p.CheckGrow("a", 4<<20); !errors.Is(err, pool.ErrInvalid) {
+	// The room is taken until the growth is made and released.
+	if _, _, err := p.Create("b", 1<<20, false); !errors.Is(err, pool.ErrNoSpace) {
+		t.Fatalf("create while a growth holds the room: %v, want ErrNoSpace", err)
+	}
+	if _, err := p.ReserveGrow("a", 8<<20); !errors.Is(err, pool.ErrNoSpace) {
+		t.Fatalf("a second growth into the same room: %v, want ErrNoSpace", err)
+	}
+	release()
+	release() // twice is fine
+	if c, _ := p.Capacity(); c.Available != 2<<20 {
+		t.Fatalf("after the release (the file never grew): %+v, want 2M available", c)
+	}
+	if _, err := p.ReserveGrow("a", 4<<20); !errors.Is(err, pool.ErrInvalid) {
 		t.Fatalf("shrink: %v, want ErrInvalid", err)
 	}
-	if err := p.CheckGrow("nope", 4<<20); !errors.Is(err, pool.ErrNotFound) {
+	if _, err := p.ReserveGrow("nope", 4<<20); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("grow of an unknown volume: %v, want ErrNotFound", err)
 	}
 	if err := p.Delete("a"); err != nil {
