@@ -10,7 +10,9 @@
 # with ginkgo's summary line and exits with csi-sanity's status.
 #
 # Environment: CSI_SANITY_FOCUS, CSI_SANITY_SKIP (ginkgo regexps; default
-# skip "Node Service"), RBLK_CSI_KEEP=1 (keep the work folder).
+# skip "Node Service"), CSI_SANITY_ARGS (more csi-sanity flags, such as
+# --ginkgo.v to list each spec and why it was skipped), RBLK_CSI_KEEP=1
+# (keep the work folder).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -98,7 +100,7 @@ rc=0
 	--csi.testvolumesize $((64 << 20)) --csi.testvolumeexpandsize $((128 << 20)) \
 	--csi.mountdir "$work/mnt" --csi.stagingdir "$work/staging" \
 	--ginkgo.focus "${CSI_SANITY_FOCUS:-}" --ginkgo.skip "${CSI_SANITY_SKIP:-Node Service}" \
-	--ginkgo.no-color --ginkgo.timeout 20m >"$work/sanity.log" 2>&1 || rc=$?
+	--ginkgo.no-color --ginkgo.timeout 20m ${CSI_SANITY_ARGS:-} >"$work/sanity.log" 2>&1 || rc=$?
 cat "$work/sanity.log"
 if [ "$rc" -ne 0 ]; then
 	for f in rblkd controller node; do
