@@ -82,9 +82,10 @@ setup() {
 	# qemu-io/qemu-img, nbdinfo and nbdfuse, fio, fusermount3, nbdkit (the
 	# slow disk of the fault tests), e2fsprogs, losetup and mount, a C
 	# toolchain for the race detector, and rdma-core's headers for the verbs
-	# provider (-tags rdma), protoc for the management API's generated code.
+	# provider (-tags rdma), protoc for the management API's generated code,
+	# xfsprogs for rblk-csi's node tests.
 	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
-		libibverbs-dev librdmacm-dev prometheus systemd protobuf-compiler
+		libibverbs-dev librdmacm-dev prometheus systemd protobuf-compiler xfsprogs
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then

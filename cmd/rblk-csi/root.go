@@ -21,6 +21,8 @@ type flags struct {
 	inventory, tlsCert, tlsKey, tlsCA string
 	hostID, hostIDFile                string
 	topology                          []string
+	attachBin, secretFile, stateDir   string
+	device                            string
 }
 
 func newRootCmd() *cobra.Command {
@@ -51,6 +53,10 @@ rblk host ID).`,
 	fl.StringVar(&f.hostID, "host-id", "", "node: this node's rblk host ID, its CSI node ID (default: --host-id-file)")
 	fl.StringVar(&f.hostIDFile, "host-id-file", "/etc/rblk/hostid", "node: the file of this node's host ID")
 	fl.StringArrayVar(&f.topology, "topology", nil, "node: KEY=VALUE, where the node is (repeatable): the labels of the pools it reaches")
+	fl.StringVar(&f.attachBin, "attach-bin", "rblk-attach", "node: the rblk-attach that attaches volumes")
+	fl.StringVar(&f.secretFile, "secret-file", "", "node: this node's secret (rblk-attach --secret-file)")
+	fl.StringVar(&f.stateDir, "state-dir", "/run/rblk/csi", "node: the attaches' records and status files")
+	fl.StringVar(&f.device, "device", "auto", "node: auto (the kernel's /dev/nbdN) or ublk")
 	root.AddCommand(cli.GenDocsCmd(root))
 	return root
 }
@@ -101,7 +107,12 @@ func run(f flags) error {
 			}
 			topo[k] = v
 		}
-		if srv, err = csidriver.Listen(f.endpoint, id, nil, &csidriver.Node{HostID: host, Topology: topo}, log); err != nil {
+		if f.device != "auto" && f.device != "ublk" {
+			return fmt.Errorf("--device %q: want auto or ublk", f.device)
+		}
+		att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir, DeviceKind: f.device}
+		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: att, Logger: log}
+		if srv, err = csidriver.Listen(f.endpoint, id, nil, node, log); err != nil {
 			return err
 		}
 		log.Info("rblk-csi node serving", zap.String("endpoint", f.endpoint), zap.String("node_id", host), zap.Any("topology", topo), zap.String("version", version))

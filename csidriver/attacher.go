@@ -1,0 +1,237 @@
+package csidriver
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rblk/rblk/internal/safeopen"
+)
+
+// Attacher makes a volume of a target a block device of this node.
+type Attacher interface {
+	// Attach attaches volume id (volCtx: its target's address and
+	// transport, its export) and returns its device. A volume attached
+	// already is returned as it is.
+	Attach(ctx context.Context, id string, volCtx map[string]string) (device string, err error)
+	// Detach detaches volume id; one not attached is no error. It must
+	// work when the target is gone.
+	Detach(ctx context.Context, id string) error
+	// Device returns volume id's device while it is attached and works.
+	Device(id string) (device string, ok bool)
+}
+
+// RBLKAttacher attaches volumes with rblk-attach --device, one process
+// per volume, started in a session of its own so that it outlives the
+// plugin (a restart of the plugin finds it through its record).
+type RBLKAttacher struct {
+	// Bin is rblk-attach.
+	Bin string
+	// HostID and SecretFile are the node's identity (rblk-attach
+	// --host-id, --secret-file; SecretFile may be empty).
+	HostID, SecretFile string
+	// StateDir keeps a record per attached volume, and rblk-attach's
+	// status files (its --state-dir).
+	StateDir string
+	// DeviceKind is rblk-attach's --device: auto (/dev/nbdN, the
+	// default) or ublk.
+	DeviceKind string
+	// Timeout bounds an attach. Default 60 s.
+	Timeout time.Duration
+}
+
+// attachRecord is what RBLKAttacher keeps of an attached volume.
+type attachRecord struct {
+	VolumeID string `json:"volume_id"`
+	PID      int    `json:"pid"`
+	Device   string `json:"device"`
+}
+
+func (a *RBLKAttacher) recordPath(id string) string {
+	sum := sha256.Sum256([]byte(id))
+	return filepath.Join(a.StateDir, "csi-"+hex.EncodeToString(sum[:12])+".json")
+}
+
+func (a *RBLKAttacher) read(id string) (*attachRecord, bool) {
+	b, _, err := safeopen.ReadFile(a.recordPath(id), 64<<10)
+	if err != nil {
+		return nil, false
+	}
+	var r attachRecord
+	if json.Unmarshal(b, &r) != nil || r.VolumeID != id {
+		return nil, false
+	}
+	return &r, true
+}
+
+// alive reports whether the record's rblk-attach still runs and its
+// device is there.
+func (r *attachRecord) alive() bool {
+	if r.PID <= 0 || syscall.Kill(r.PID, 0) != nil {
+		return false
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", r.PID))
+	if err != nil || !strings.Contains(string(cmdline), "attach") {
+		return false // (the pid is another process's now)
+	}
+	_, err = os.Stat(r.Device)
+	return err == nil
+}
+
+// Device implements Attacher.
+func (a *RBLKAttacher) Device(id string) (string, bool) {
+	r, ok := a.read(id)
+	if !ok || !r.alive() {
+		return "", false
+	}
+	return r.Device, true
+}
+
+// attachedRE finds the device in rblk-attach's "attached" log line.
+var attachedRE = regexp.MustCompile(`"msg":"attached".*"device":"(/dev/[a-z0-9]+)"`)
+
+// Attach implements Attacher.
+func (a *RBLKAttacher) Attach(ctx context.Context, id string, volCtx map[string]string) (string, error) {
+	if dev, ok := a.Device(id); ok {
+		return dev, nil
+	}
+	addr, export := volCtx[CtxAddress], volCtx[CtxExport]
+	if addr == "" || export == "" {
+		return "", fmt.Errorf("the volume's context lacks %s or %s", CtxAddress, CtxExport)
+	}
+	if err := os.MkdirAll(a.StateDir, 0o750); err != nil {
+		return "", err
+	}
+	transport := volCtx[CtxTransport]
+	if transport == "" {
+		transport = "auto"
+	}
+	device := a.DeviceKind
+	if device == "" {
+		device = "auto"
+	}
+	args := []string{"attach", "--target", addr, "--export", export, "--transport", transport, "--device", device,
+		"--host-id", a.HostID, "--state-dir", a.StateDir, "--log-format", "json"}
+	if a.SecretFile != "" {
+		args = append(args, "--secret-file", a.SecretFile)
+	}
+	logPath := strings.TrimSuffix(a.recordPath(id), ".json") + ".log"
+	logFile, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o640)
+	if err != nil {
+		return "", err
+	}
+	defer logFile.Close()
+	cmd := exec.Command(a.Bin, args...)
+	cmd.Stdout = logFile
+	cmd.Stderr = logFile
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true} // (not killed with the plugin)
+	if err := cmd.Start(); err != nil {
+		return "", fmt.Errorf("start %s: %w", a.Bin, err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	timeout := a.Timeout
+	if timeout == 0 {
+		timeout = 60 * time.Second
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if dev := attachedDevice(logPath); dev != "" {
+			r := attachRecord{VolumeID: id, PID: cmd.Process.Pid, Device: dev}
+			if err := writeJSON(a.recordPath(id), r); err != nil {
+				cmd.Process.Signal(syscall.SIGTERM)
+				return "", err
+			}
+			return dev, nil
+		}
+		select {
+		case err := <-exited:
+			return "", fmt.Errorf("rblk-attach exited (%v): %s", err, tail(logPath))
+		case <-wctx.Done():
+			cmd.Process.Signal(syscall.SIGTERM)
+			return "", fmt.Errorf("rblk-attach did not attach %s within %v: %s", export, timeout, tail(logPath))
+		case <-tick.C:
+		}
+	}
+}
+
+func attachedDevice(logPath string) string {
+	f, err := os.Open(logPath)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(io.LimitReader(f, 4<<20))
+	for sc.Scan() {
+		if m := attachedRE.FindStringSubmatch(sc.Text()); m != nil {
+			return m[1]
+		}
+	}
+	return ""
+}
+
+// tail is the end of a log, for an error.
+func tail(path string) string {
+	b, _ := os.ReadFile(path)
+	if len(b) > 2000 {
+		b = b[len(b)-2000:]
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func writeJSON(path string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o640); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// Detach implements Attacher: SIGTERM to its rblk-attach, which flushes,
+// disconnects the device and exits; a process that does not go within
+// the context is killed (the target gone: nothing can be flushed).
+func (a *RBLKAttacher) Detach(ctx context.Context, id string) error {
+	r, ok := a.read(id)
+	if !ok {
+		return nil
+	}
+	if r.alive() {
+		syscall.Kill(r.PID, syscall.SIGTERM)
+		t := time.NewTicker(50 * time.Millisecond)
+		defer t.Stop()
+	wait:
+		for syscall.Kill(r.PID, 0) == nil {
+			select {
+			case <-ctx.Done():
+				syscall.Kill(r.PID, syscall.SIGKILL)
+				break wait
+			case <-t.C:
+			}
+		}
+	}
+	if err := os.Remove(a.recordPath(id)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	os.Remove(strings.TrimSuffix(a.recordPath(id), ".json") + ".log")
+	return nil
+}
