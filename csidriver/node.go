@@ -33,6 +33,9 @@ type Node struct {
 	// Attacher attaches volumes. Nil: the node attaches nothing (its
 	// stage calls fail), as in the controller tests.
 	Attacher Attacher
+	// DefaultFS is the file system made where the capability names none:
+	// ext4 (the default) or xfs.
+	DefaultFS string
 	// Logger: what was done. Default: none.
 	Logger *zap.Logger
 
@@ -88,9 +91,12 @@ func (n *Node) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequ
 }
 
 // fsType is the file system a mount capability asks for.
-func fsType(c *csi.VolumeCapability) string {
+func (n *Node) fsType(c *csi.VolumeCapability) string {
 	if t := c.GetMount().GetFsType(); t != "" {
 		return t
+	}
+	if n.DefaultFS != "" {
+		return n.DefaultFS
 	}
 	return "ext4"
 }
@@ -123,7 +129,7 @@ func (n *Node) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequ
 	} else if m {
 		return &csi.NodeStageVolumeResponse{}, nil
 	}
-	fs := fsType(req.VolumeCapability)
+	fs := n.fsType(req.VolumeCapability)
 	have, err := deviceFS(ctx, dev)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "stage volume %s: %v", req.VolumeId, err)

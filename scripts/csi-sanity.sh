@@ -1,50 +1,83 @@
 #!/usr/bin/env bash
 # scripts/csi-sanity.sh: the CSI conformance suite (csi-sanity, from
 # github.com/kubernetes-csi/csi-test/v5 v5.6.0) against rblk-csi and a real
-# rblkd on this machine, over the software transport (tcp on loopback):
-# rblkd with a pool, its management API (certificates from rblkd cert) and
-# an auth file that knows the node's host ID; rblk-csi --mode controller
-# with an inventory of that rblkd; rblk-csi --mode node as the node. The
-# Identity and Controller specs run; the Node specs are skipped here (no
-# /dev/nbdN on this machine; the node service does not stage yet). It ends
-# with ginkgo's summary line and exits with csi-sanity's status.
+# rblkd: rblkd with a pool, its management API (certificates from rblkd
+# cert) and an auth file that knows the node's host ID; rblk-csi --mode
+# controller with an inventory of that rblkd; rblk-csi --mode node as the
+# node. It ends with ginkgo's summary line and exits with csi-sanity's
+# status.
 #
-# Environment: CSI_SANITY_FOCUS, CSI_SANITY_SKIP (ginkgo regexps; default
-# skip "Node Service"), CSI_SANITY_ARGS (more csi-sanity flags, such as
-# --ginkgo.v to list each spec and why it was skipped), RBLK_CSI_KEEP=1
-# (keep the work folder).
+# On this machine (the test command): over the software transport (tcp on
+# loopback), the Identity and Controller specs; the Node specs are skipped
+# (no /dev/nbdN here). In the guest (vm/rblk-e2e.sh's csi scenario):
+# RBLK_CSI_NODE=1 runs the Node specs too, the node attaching volumes with
+# rblk-attach on the kernel's /dev/nbdN over RBLK_CSI_TRANSPORT.
+#
+# Environment:
+#   RBLK_CSI_BIN=DIR        rblkd, rblk-csi and rblk-attach built already (else: go build)
+#   CSI_SANITY_BIN=PATH     csi-sanity built already (else: go install, cached)
+#   RBLK_CSI_TRANSPORT      tcp (default) or rdma
+#   RBLK_CSI_LISTEN         rblkd's address (default 127.0.0.1:0)
+#   RBLK_CSI_NODE=1         the Node specs run (default: skipped)
+#   RBLK_CSI_FS             the node's --default-fs: ext4 (default) or xfs
+#   RBLK_CSI_ACCESS         mount (default) or block: csi-sanity's volume access type
+#   RBLK_CSI_VOLUME_SIZE    bytes (default 64 MiB; xfs needs 300 MiB)
+#   CSI_SANITY_FOCUS, CSI_SANITY_SKIP  ginkgo regexps
+#   CSI_SANITY_ARGS         more csi-sanity flags (--ginkgo.v lists each spec and why it was skipped)
+#   RBLK_CSI_KEEP=1         keep the work folder
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CSI_TEST_VERSION=v5.6.0
-work=$(mktemp -d /tmp/rblk-csi-sanity.XXXXXX)
+work=$(mktemp -d "${TMPDIR:-/tmp}/rblk-csi-sanity.XXXXXX")
 pids=()
 cleanup() {
-	local p
+	local p rc=$?
+	set +e
 	for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
 	for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+	# (volumes a failed run left staged)
+	if [ -d "$work/state" ]; then
+		for p in "$work"/state/csi-*.json; do
+			[ -f "$p" ] || continue
+			kill "$(sed -n 's/.*"pid":\([0-9]*\).*/\1/p' "$p")" 2>/dev/null || true
+		done
+	fi
+	grep " $work/" /proc/mounts | cut -d' ' -f2 | sort -r | while read -r m; do umount "$m" 2>/dev/null; done
 	if [ "${RBLK_CSI_KEEP:-0}" = 1 ]; then echo "csi-sanity: work folder kept: $work"; else rm -rf "$work"; fi
+	exit "$rc"
 }
 trap cleanup EXIT
 
-bin=$work/bin
-mkdir -p "$bin"
-go build -o "$bin/" ./cmd/rblkd ./cmd/rblk-csi
-cache=${XDG_CACHE_HOME:-$HOME/.cache}/rblk-csi-sanity-$CSI_TEST_VERSION
-if [ ! -x "$cache/csi-sanity" ]; then
-	echo "csi-sanity: go install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_TEST_VERSION"
-	GOBIN=$cache go install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_TEST_VERSION"
+bin=${RBLK_CSI_BIN:-}
+if [ -z "$bin" ]; then
+	cd "$(dirname "${BASH_SOURCE[0]}")/.."
+	bin=$work/bin
+	mkdir -p "$bin"
+	go build -o "$bin/" ./cmd/rblkd ./cmd/rblk-csi ./cmd/rblk-attach
 fi
+sanity=${CSI_SANITY_BIN:-}
+if [ -z "$sanity" ]; then
+	cache=${XDG_CACHE_HOME:-$HOME/.cache}/rblk-csi-sanity-$CSI_TEST_VERSION
+	if [ ! -x "$cache/csi-sanity" ]; then
+		echo "csi-sanity: go install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_TEST_VERSION"
+		GOBIN=$cache go install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_TEST_VERSION"
+	fi
+	sanity=$cache/csi-sanity
+fi
+transport=${RBLK_CSI_TRANSPORT:-tcp}
 
 tls=$work/tls
 "$bin/rblkd" cert ca --dir "$tls" >/dev/null
 "$bin/rblkd" cert server --dir "$tls" --name storage-1 --host 127.0.0.1 >/dev/null
 "$bin/rblkd" cert client --dir "$tls" --name rblk-csi-controller >/dev/null
-printf 'sanity-node %s\n' "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')" >"$work/auth"
-chmod 600 "$work/auth"
+(
+	umask 077
+	od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$work/node.secret"
+	printf 'sanity-node %s\n' "$(cat "$work/node.secret")" >"$work/auth"
+)
 cat >"$work/rblkd.yaml" <<EOF
-listen: 127.0.0.1:0
-transport: tcp
+listen: ${RBLK_CSI_LISTEN:-127.0.0.1:0}
+transport: $transport
 auth_file: $work/auth
 cache_size: 64M
 chunk_size: 1M
@@ -53,7 +86,7 @@ log_format: json
 pools:
   - name: sanity
     directory: $work/pool
-    capacity: 4G
+    capacity: 8G
     labels: {topology.rblk.io/zone: zone-a}
 management:
   listen: 127.0.0.1:0
@@ -67,7 +100,7 @@ EOF
 "$bin/rblkd" serve --config "$work/rblkd.yaml" 2>"$work/rblkd.log" &
 pids+=($!)
 # The addresses rblkd bound (port 0: a free one each).
-for _ in $(seq 100); do
+for _ in $(seq 300); do
 	grep -q '"msg":"rblkd serving"' "$work/rblkd.log" && grep -q '"msg":"management API"' "$work/rblkd.log" && break
 	kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/rblkd.log"; echo "csi-sanity: rblkd exited" >&2; exit 1; }
 	sleep 0.1
@@ -76,18 +109,19 @@ field() { grep "\"msg\":\"$1\"" "$work/rblkd.log" | head -1 | sed -n 's/.*"liste
 data=$(field "rblkd serving")
 api=$(field "management API")
 [ -n "$data" ] && [ -n "$api" ] || { cat "$work/rblkd.log"; echo "csi-sanity: rblkd did not say where it listens" >&2; exit 1; }
-echo "csi-sanity: rblkd serves $data, its management API $api"
+echo "csi-sanity: rblkd serves $data ($transport), its management API $api"
 cat >"$work/inventory.yaml" <<EOF
 targets:
   - name: storage-1
     management: $api
     address: $data
-    transport: tcp
+    transport: $transport
 EOF
 "$bin/rblk-csi" --mode controller --endpoint "unix://$work/controller.sock" --inventory "$work/inventory.yaml" \
 	--tls-cert "$tls/rblk-csi-controller.crt" --tls-key "$tls/rblk-csi-controller.key" --tls-ca "$tls/ca.crt" 2>"$work/controller.log" &
 pids+=($!)
-"$bin/rblk-csi" --mode node --endpoint "unix://$work/node.sock" --host-id sanity-node \
+"$bin/rblk-csi" --mode node --endpoint "unix://$work/node.sock" --host-id sanity-node --secret-file "$work/node.secret" \
+	--attach-bin "$bin/rblk-attach" --state-dir "$work/state" --default-fs "${RBLK_CSI_FS:-ext4}" \
 	--topology topology.rblk.io/zone=zone-a 2>"$work/node.log" &
 pids+=($!)
 for _ in $(seq 100); do
@@ -95,17 +129,28 @@ for _ in $(seq 100); do
 	sleep 0.1
 done
 
+skip=${CSI_SANITY_SKIP-Node Service}
+if [ "${RBLK_CSI_NODE:-0}" = 1 ]; then
+	skip=${CSI_SANITY_SKIP-}
+fi
 rc=0
-"$cache/csi-sanity" --csi.endpoint "$work/node.sock" --csi.controllerendpoint "$work/controller.sock" \
-	--csi.testvolumesize $((64 << 20)) --csi.testvolumeexpandsize $((128 << 20)) \
+# shellcheck disable=SC2086
+"$sanity" --csi.endpoint "$work/node.sock" --csi.controllerendpoint "$work/controller.sock" \
+	--csi.testvolumesize "${RBLK_CSI_VOLUME_SIZE:-$((64 << 20))}" --csi.testvolumeexpandsize "$((${RBLK_CSI_VOLUME_SIZE:-$((64 << 20))} * 2))" \
+	--csi.testvolumeaccesstype "${RBLK_CSI_ACCESS:-mount}" \
 	--csi.mountdir "$work/mnt" --csi.stagingdir "$work/staging" \
-	--ginkgo.focus "${CSI_SANITY_FOCUS:-}" --ginkgo.skip "${CSI_SANITY_SKIP:-Node Service}" \
+	--ginkgo.focus "${CSI_SANITY_FOCUS:-}" --ginkgo.skip "$skip" \
 	--ginkgo.no-color --ginkgo.timeout 20m ${CSI_SANITY_ARGS:-} >"$work/sanity.log" 2>&1 || rc=$?
 cat "$work/sanity.log"
 if [ "$rc" -ne 0 ]; then
 	for f in rblkd controller node; do
 		echo "----- $f.log (tail)"
 		tail -40 "$work/$f.log"
+	done
+	for f in "$work"/state/*.log; do
+		[ -f "$f" ] || continue
+		echo "----- $f (tail)"
+		tail -20 "$f"
 	done
 fi
 # ginkgo's summary, last: "Ran N of M Specs ...", then PASS/FAIL counts.

@@ -231,7 +231,7 @@ else
 	# jobs only. (make bench: all of it; RBLK_VM_SOAK_RUNS=3: the soak
 	# three times in a row.)
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, beside NVMe-oF RDMA (scripts/vm-test.sh)" \
-		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-6.12}" \
+		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-6.12}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
 		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|TestFault 6.12:TestAllocsPerIO}" \
 		BENCH_NULL_JOBS="${BENCH_NULL_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh

@@ -48,6 +48,9 @@
 #                                          # is -test.skip RE on 6.12
 #   RBLK_VM_SOAK_KERNELS=6.12 ...          # the soak on 6.12 only (the
 #                                          # others skip it, and say so)
+#   RBLK_VM_CSI_KERNELS=6.12 ...           # the csi scenario (csi-sanity
+#                                          # with Node, on /dev/nbdN) on
+#                                          # 6.12 only
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, RBLK_VM_HOG, RBLK_VM_E2E_DEVICES, RBLK_VM_E2E_RUN,
 # RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_RUN, RBLK_VM_SOAK_E2E_RUN,
@@ -94,6 +97,12 @@ go build -tags rdma -o "$art/" ./cmd/rblkd ./cmd/rblk-attach
 cp systemd/99-rblk.rules "$art/" # (the udev scenario)
 go test -c -tags rdma -o "$art/rdma.test" ./transport/rdma/
 go test -c -o "$art/kernel.test" ./initiator/kernel/
+# The csi scenario: rblk-csi, csi-sanity (pinned, cached) and its script.
+go build -o "$art/" ./cmd/rblk-csi
+CSI_TEST_VERSION=v5.6.0
+csi_cache=${XDG_CACHE_HOME:-$HOME/.cache}/rblk-csi-sanity-$CSI_TEST_VERSION
+[ -x "$csi_cache/csi-sanity" ] || GOBIN=$csi_cache go install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_TEST_VERSION"
+cp "$csi_cache/csi-sanity" scripts/csi-sanity.sh "$art/"
 # The e2e suite and the soak: everything with -race, and the failpoints of
 # the verbs provider built in (driven by RBLK_RDMA_FAILPOINTS; a tag that
 # no file uses yet is harmless). The guest cannot build (no time under
@@ -139,6 +148,9 @@ run_kernel() {
 	cp "$art/env.base" "$art/env.sh"
 	if [ -n "${RBLK_VM_BENCH_KERNELS:-}" ] && [[ " $RBLK_VM_BENCH_KERNELS " != *" $k "* ]]; then
 		echo 'export RBLK_VM_SKIP_SCENARIOS=bench' >>"$art/env.sh"
+	fi
+	if [ -n "${RBLK_VM_CSI_KERNELS:-}" ] && [[ " $RBLK_VM_CSI_KERNELS " != *" $k "* ]]; then
+		echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} csi\"" >>"$art/env.sh"
 	fi
 	if [ -n "${RBLK_VM_SOAK_KERNELS:-}" ] && [[ " $RBLK_VM_SOAK_KERNELS " != *" $k "* ]]; then
 		echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} soak\"" >>"$art/env.sh"

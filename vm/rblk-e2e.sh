@@ -23,6 +23,9 @@
 #              authentication, one writer and takeover, the doctors, rxe0's
 #              port metrics, ...; RBLK_E2E_REQUIRE=1, and what cannot run
 #              over rdma says why (logs/e2e/DEVICE/, e2e-summary.txt);
+#  csi         csi-sanity against rblk-csi and rblkd over rdma, the node
+#              staging on /dev/nbdN: every spec with ext4, the Node specs
+#              with xfs and with block volumes (csi-summary.txt, logs/csi/);
 #  ublk        rblk-attach --device ublk where the kernel has ublk_drv
 #              (6.12): one hardware queue per CPU, FLUSH enabled; fio
 #              verify at 4k QD1/32/128, 1M and randrw 64k; an fsync reaches
@@ -808,6 +811,35 @@ scen_e2e() {
 	[ -z "$failed" ] || fail "the e2e suite over rdma failed on device(s): $failed(logs/e2e/DEVICE/e2e-test.log)"
 }
 
+# csi: the CSI conformance suite (csi-sanity, scripts/csi-sanity.sh)
+# against rblk-csi and rblkd over rdma, the node attaching each volume with
+# rblk-attach on the kernel's /dev/nbdN, three runs: every spec with ext4,
+# then the Node specs with xfs and with block volumes. Logs in logs/csi/,
+# the summary lines in csi-summary.txt.
+scen_csi() {
+	local run fs access size focus rc failed=''
+	[ -x "$BIN/rblk-csi" ] && [ -x "$BIN/csi-sanity" ] && [ -f "$BIN/csi-sanity.sh" ] || fail "no rblk-csi, csi-sanity or csi-sanity.sh beside the binaries"
+	modprobe nbd nbds_max=16 2>/dev/null || true
+	: >"$BIN/csi-summary.txt"
+	for run in "ext4 mount $((64 << 20)) ." "xfs mount $((320 << 20)) Node.Service" "ext4 block $((64 << 20)) Node.Service"; do
+		read -r fs access size focus <<<"$run"
+		step "csi-sanity: $fs, $access volumes, focus $focus"
+		rc=0
+		TMPDIR=$WORK RBLK_CSI_BIN=$BIN CSI_SANITY_BIN=$BIN/csi-sanity RBLK_CSI_TRANSPORT=rdma RBLK_CSI_LISTEN=$IP:7660 \
+			RBLK_CSI_NODE=1 RBLK_CSI_FS=$fs RBLK_CSI_ACCESS=$access RBLK_CSI_VOLUME_SIZE=$size CSI_SANITY_FOCUS=$focus \
+			timeout 900 bash "$BIN/csi-sanity.sh" >"$LOGS/csi-$fs-$access.log" 2>&1 || rc=$?
+		{
+			printf '%s, %s: exit %d: ' "$fs" "$access" "$rc"
+			grep -E '^(SUCCESS|FAIL)! --' "$LOGS/csi-$fs-$access.log" | tail -1 || echo "no summary"
+		} | tee -a "$BIN/csi-summary.txt"
+		grep -E '^\s*\[FAIL\]' "$LOGS/csi-$fs-$access.log" | head -20 || true
+		[ "$rc" = 0 ] || failed+="$fs/$access "
+	done
+	mkdir -p "$BIN/logs/csi"
+	cp "$LOGS"/csi-*.log "$BIN/logs/csi/" 2>/dev/null || true
+	[ -z "$failed" ] || fail "csi-sanity failed: $failed(logs/csi/)"
+}
+
 # soak: RBLK_VM_SOAK_RUNS (default 1) runs in a row, each under a CPU hog
 # (RBLK_VM_HOG, default 1: a busy loop on every vCPU, at normal priority,
 # started here and killed after), of the Go tests that exercise the verbs
@@ -933,6 +965,7 @@ mkdir -p "$WORK/logs/boot"
 dmesg >"$WORK/logs/boot/kernel.log"
 if [ -x "$BIN/rdma.test" ]; then scenario verbs scen_verbs; fi
 scenario e2e scen_e2e
+scenario csi scen_csi
 scenario ublk scen_ublk
 if [ -x "$BIN/kernel.test" ]; then scenario grow scen_grow; fi
 scenario udev scen_udev

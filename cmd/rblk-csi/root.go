@@ -22,7 +22,7 @@ type flags struct {
 	hostID, hostIDFile                string
 	topology                          []string
 	attachBin, secretFile, stateDir   string
-	device                            string
+	device, defaultFS                 string
 }
 
 func newRootCmd() *cobra.Command {
@@ -57,6 +57,7 @@ rblk host ID).`,
 	fl.StringVar(&f.secretFile, "secret-file", "", "node: this node's secret (rblk-attach --secret-file)")
 	fl.StringVar(&f.stateDir, "state-dir", "/run/rblk/csi", "node: the attaches' records and status files")
 	fl.StringVar(&f.device, "device", "auto", "node: auto (the kernel's /dev/nbdN) or ublk")
+	fl.StringVar(&f.defaultFS, "default-fs", "ext4", "node: the file system made where a volume's capability names none: ext4 or xfs")
 	root.AddCommand(cli.GenDocsCmd(root))
 	return root
 }
@@ -110,8 +111,11 @@ func run(f flags) error {
 		if f.device != "auto" && f.device != "ublk" {
 			return fmt.Errorf("--device %q: want auto or ublk", f.device)
 		}
+		if f.defaultFS != "ext4" && f.defaultFS != "xfs" {
+			return fmt.Errorf("--default-fs %q: want ext4 or xfs", f.defaultFS)
+		}
 		att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir, DeviceKind: f.device}
-		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: att, Logger: log}
+		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: att, DefaultFS: f.defaultFS, Logger: log}
 		if srv, err = csidriver.Listen(f.endpoint, id, nil, node, log); err != nil {
 			return err
 		}
