@@ -253,11 +253,12 @@ func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRe
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "expand volume %s: %v", req.VolumeId, err)
 	}
-	if req.VolumeCapability.GetBlock() != nil {
-		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+	st, err := os.Stat(req.VolumePath)
+	if err != nil {
+		return nil, status.Errorf(codes.NotFound, "volume path %s: %v", req.VolumePath, err)
 	}
-	if st, err := os.Stat(req.VolumePath); err != nil || !st.IsDir() {
-		return nil, status.Errorf(codes.NotFound, "volume path %s: not a mounted file system", req.VolumePath)
+	if req.VolumeCapability.GetBlock() != nil || !st.IsDir() {
+		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil // (a block volume: no file system to grow)
 	}
 	fs, err := deviceFS(ctx, dev)
 	if err != nil {
