@@ -1,0 +1,89 @@
+package csidriver
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// fakeAttach writes a stand-in for rblk-attach: it logs the JSON
+// "attached" line with device /dev/null (or fails, if fail), then waits
+// for its SIGTERM.
+func fakeAttach(t *testing.T, fail bool) string {
+	t.Helper()
+	body := `#!/bin/sh
+echo "$@" >"$(dirname "$0")/args"
+echo '{"level":"info","msg":"volume opened"}' >&2
+echo '{"level":"info","msg":"attached","device":"/dev/null","export":"p:v"}' >&2
+trap 'exit 0' TERM
+while :; do sleep 0.05; done
+`
+	if fail {
+		body = "#!/bin/sh\necho 'rblk-attach: open volume: host \"n1\" is not allowed' >&2\nexit 1\n"
+	}
+	path := filepath.Join(t.TempDir(), "rblk-attach")
+	if err := os.WriteFile(path, []byte(body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestRBLKAttacher(t *testing.T) {
+	bin := fakeAttach(t, false)
+	a := &RBLKAttacher{Bin: bin, HostID: "n1", SecretFile: "/etc/rblk/secret", StateDir: filepath.Join(t.TempDir(), "state")}
+	ctx := context.Background()
+	volCtx := map[string]string{CtxAddress: "192.0.2.10:7480", CtxExport: "p:v", CtxTransport: "rdma"}
+	dev, err := a.Attach(ctx, "t/p/v", volCtx)
+	if err != nil || dev != "/dev/null" {
+		t.Fatalf("attach: %q, %v", dev, err)
+	}
+	args, _ := os.ReadFile(filepath.Join(filepath.Dir(bin), "args"))
+	for _, want := range []string{"attach", "--target 192.0.2.10:7480", "--export p:v", "--transport rdma", "--device auto", "--host-id n1", "--secret-file /etc/rblk/secret"} {
+		if !strings.Contains(string(args), want) {
+			t.Errorf("rblk-attach's arguments %q lack %q", args, want)
+		}
+	}
+	r, ok := a.read("t/p/v")
+	if !ok {
+		t.Fatal("no record of the attach")
+	}
+	// Attached already: the same, no second process.
+	if dev2, err := a.Attach(ctx, "t/p/v", volCtx); err != nil || dev2 != dev {
+		t.Fatalf("attach again: %q, %v", dev2, err)
+	}
+	if r2, _ := a.read("t/p/v"); r2.PID != r.PID {
+		t.Fatalf("a second attach started another rblk-attach (%d, then %d)", r.PID, r2.PID)
+	}
+	// A plugin restarted: a new attacher finds it by its record.
+	b := &RBLKAttacher{Bin: bin, HostID: "n1", StateDir: a.StateDir}
+	if d, ok := b.Device("t/p/v"); !ok || d != dev {
+		t.Fatalf("a new attacher does not find the running attach: %q, %v", d, ok)
+	}
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	for range 2 {
+		if err := b.Detach(dctx, "t/p/v"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, ok := a.Device("t/p/v"); ok {
+		t.Fatal("still attached after detach")
+	}
+	if _, err := os.Stat(a.recordPath("t/p/v")); !os.IsNotExist(err) {
+		t.Fatalf("the record after detach: %v", err)
+	}
+}
+
+func TestRBLKAttacherFails(t *testing.T) {
+	a := &RBLKAttacher{Bin: fakeAttach(t, true), HostID: "n1", StateDir: t.TempDir()}
+	_, err := a.Attach(context.Background(), "t/p/v", map[string]string{CtxAddress: "a:1", CtxExport: "p:v"})
+	if err == nil || !strings.Contains(err.Error(), "is not allowed") {
+		t.Fatalf("attach with a failing rblk-attach: %v, want its error", err)
+	}
+	if _, err := a.Attach(context.Background(), "t/p/v", map[string]string{}); err == nil {
+		t.Fatal("attach without an address or export succeeded")
+	}
+}
