@@ -3,12 +3,14 @@ package kubernetes
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"gopkg.in/yaml.v3"
@@ -200,14 +202,32 @@ func checkPod(t *testing.T, objs []object, o object) {
 	}
 }
 
+var (
+	buildOnce sync.Once
+	builtBin  string
+	buildErr  error
+)
+
 // rblkCSIAccepts runs rblk-csi ARGS --help: cobra refuses an unknown flag
 // or a bad value before it prints the help.
 func rblkCSIAccepts(t *testing.T, name string, args []string) {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "rblk-csi")
-	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/rblk-csi").CombinedOutput(); err != nil {
-		t.Fatalf("build rblk-csi: %v\n%s", err, out)
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "rblk-csi-manifests")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		builtBin = filepath.Join(dir, "rblk-csi")
+		if out, err := exec.Command("go", "build", "-o", builtBin, "../../cmd/rblk-csi").CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("build rblk-csi: %v\n%s", err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
 	}
+	t.Cleanup(func() { os.RemoveAll(filepath.Dir(builtBin)) })
+	bin := builtBin
 	for i, a := range args {
 		args[i] = strings.ReplaceAll(a, "$(RBLK_ZONE)", "zone-a") // (the kubelet expands it)
 	}
