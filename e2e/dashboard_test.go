@@ -46,7 +46,14 @@ func TestDashboardMetricsExist(t *testing.T) {
 	}
 	t.Setenv("RBLK_SYSFS", sys) // inherited by the daemons
 
-	tg := startTarget(t, []string{"vol=" + filepath.Join(t.TempDir(), "vol.img") + ",size=4M"}, "--chunk-size", "64K")
+	// A pool too, for the pools' metrics.
+	cfgDir := t.TempDir()
+	cfg := filepath.Join(cfgDir, "rblkd.yaml")
+	if err := os.WriteFile(cfg, []byte("admin_socket: "+filepath.Join(sockDir(t), "rblkd.sock")+"\npools:\n  - name: fast\n    directory: "+
+		filepath.Join(cfgDir, "fast")+"\n    capacity: 64M\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tg := startTarget(t, []string{"vol=" + filepath.Join(t.TempDir(), "vol.img") + ",size=4M"}, "--chunk-size", "64K", "--config", cfg)
 	a := startAttach(t, tg, "vol")
 	n := dialNBD(t, a.sock, "vol")
 	data := bytes.Repeat([]byte{0x3c}, 192<<10)

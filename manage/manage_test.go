@@ -8,7 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/rblk/rblk/auth"
+	"github.com/rblk/rblk/internal/metricstest"
 	"github.com/rblk/rblk/manage"
 	"github.com/rblk/rblk/pool"
 	"github.com/rblk/rblk/protocol"
@@ -209,6 +212,14 @@ func TestCodes(t *testing.T) {
 	ps, err := n.svc.Pools("")
 	if err != nil || len(ps) != 2 || ps[0].Name != "fast" || ps[0].Provisioned != 4<<20 || ps[0].Available != 4<<20 {
 		t.Fatalf("pools: %+v, %v", ps, err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(n.svc.Collector())
+	for name, want := range map[string]float64{"rblkd_pool_capacity_bytes": 8 << 20, "rblkd_pool_provisioned_bytes": 4 << 20,
+		"rblkd_pool_available_bytes": 4 << 20, "rblkd_pool_volumes": 1, "rblkd_pool_volumes_damaged": 0} {
+		if got := metricstest.Value(t, reg, name, "pool", "fast"); got != want {
+			t.Errorf("%s{pool=\"fast\"} = %v, want %v", name, got, want)
+		}
 	}
 }
 

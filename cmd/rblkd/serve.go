@@ -237,6 +237,10 @@ func serve(f serveFlags) error {
 			t.Close()
 			return err
 		}
+		if err := reg.Register(svc.Collector()); err != nil {
+			t.Close()
+			return fmt.Errorf("register the pools' metrics: %w", err)
+		}
 	}
 	var api *remote.Server
 	if m := f.file.management; m != nil {
