@@ -58,9 +58,9 @@ type Service struct {
 	locks   map[string]chan struct{}
 }
 
-// New serves every volume of pools on t (a damaged one is logged and
-// left out) and returns the Service that manages them. A volume that
-// cannot be served fails New.
+// New serves every volume of pools on t (a damaged one, or one the target
+// cannot open, is logged and left out) and returns the Service that
+// manages them.
 func New(ctx context.Context, t Target, pools []*pool.Pool, opts Options) (*Service, error) {
 	log := opts.Logger
 	if log == nil {
@@ -76,8 +76,11 @@ func New(ctx context.Context, t Target, pools []*pool.Pool, opts Options) (*Serv
 			return nil, err
 		}
 		for _, v := range vols {
+			// One volume that cannot be served keeps neither rblkd nor
+			// the others down: it is logged, and a Create of it (the
+			// same name, size and sharing) tries again.
 			if err := s.serve(ctx, v); err != nil {
-				return nil, fmt.Errorf("pool %q: %w", p.Name(), err)
+				log.Error("volume not served", zap.String("pool", p.Name()), zap.String("volume", v.Name), zap.Error(err))
 			}
 		}
 		for name, err := range p.Damaged() {
