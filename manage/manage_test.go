@@ -258,3 +258,62 @@ func TestPublishUnknownHost(t *testing.T) {
 		t.Fatalf("hosts %q, want [node-a]", v.Hosts)
 	}
 }
+
+// failingTarget is a target whose PrepareExport fails for one export.
+type failingTarget struct {
+	*target.Target
+	fail string
+}
+
+func (f *failingTarget) PrepareExport(ctx context.Context, e target.ExportConfig) (*target.PreparedExport, error) {
+	if e.Name == f.fail {
+		return nil, errors.New("injected: cannot open")
+	}
+	return f.Target.PrepareExport(ctx, e)
+}
+
+// TestOneVolumeNotServed: a volume the target cannot open at start keeps
+// neither the Service nor the other volumes down, and a create of it
+// serves it once the target can.
+func TestOneVolumeNotServed(t *testing.T) {
+	transporttest.CheckGoroutines(t)
+	dir := filepath.Join(t.TempDir(), "fast")
+	ctx := context.Background()
+	p, err := pool.Open(pool.Config{Name: "fast", Dir: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"good", "bad"} {
+		if _, _, err := p.Create(n, 1<<20, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tg, err := target.New(target.Options{CacheSize: 4 << 20, ChunkSize: 64 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tg.Close()
+	ft := &failingTarget{Target: tg, fail: "fast:bad"}
+	svc, err := manage.New(ctx, ft, []*pool.Pool{p}, manage.Options{})
+	if err != nil {
+		t.Fatalf("New with a volume the target cannot open: %v", err)
+	}
+	defer p.Close()
+	served := func() []string {
+		var out []string
+		for _, st := range tg.Exports() {
+			out = append(out, st.Config.Name)
+		}
+		return out
+	}
+	if got := served(); len(got) != 1 || got[0] != "fast:good" {
+		t.Fatalf("served: %q, want fast:good alone", got)
+	}
+	ft.fail = ""
+	if _, created, err := svc.Create(ctx, "fast", "bad", 1<<20, false); err != nil || created {
+		t.Fatalf("create of the volume not served: created %v, %v", created, err)
+	}
+	if got := served(); len(got) != 2 {
+		t.Fatalf("served after the create: %q, want both", got)
+	}
+}
