@@ -90,7 +90,6 @@ func run(f flags) error {
 			return err
 		}
 		defer targets.Close()
-		id.Controller = true
 		if srv, err = csidriver.Listen(f.endpoint, id, csidriver.NewController(targets, log), nil, log); err != nil {
 			return err
 		}
