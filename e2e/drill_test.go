@@ -30,6 +30,7 @@ import (
 // write. (rblk-attach stands in for the node service, which does not
 // stage yet.)
 func TestNodeFailureDrill(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io", "fio")
 	dir := t.TempDir()
 	authFile, secretA, secretB := authFiles(t)

@@ -25,6 +25,7 @@ import (
 // configuration does not name, a pool it may not manage, names with '/'
 // or "..".
 func TestManagementAPI(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	tlsDir := filepath.Join(dir, "tls")

@@ -48,6 +48,7 @@ func listed(t *testing.T, tg *target, host, export string) bool {
 // (it reads what the first wrote), expand online, a restart (the pool's
 // record is what is served) and delete (drained, the files gone).
 func TestPoolVolumes(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	poolDir := filepath.Join(dir, "fast")
