@@ -65,23 +65,8 @@ func isOctal(c byte) bool { return c >= '0' && c <= '7' }
 // mounted twice is unmounted twice), then removes it. A path not there
 // is no error.
 func unmountAndRemove(path string) error {
-	if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	for range 8 {
-		m, err := mounted(path)
-		if err != nil {
-			return err
-		}
-		if !m {
-			break
-		}
-		if err := unix.Unmount(path, 0); err != nil && !errors.Is(err, unix.EINVAL) {
-			return fmt.Errorf("umount %s: %w", path, err)
-		}
-	}
-	if m, _ := mounted(path); m {
-		return fmt.Errorf("%s is still mounted", path)
+	if err := unmountAll(path); err != nil {
+		return err
 	}
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err

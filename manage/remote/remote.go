@@ -228,31 +228,27 @@ func (s *Server) check(ctx context.Context, pool string) error {
 	return nil
 }
 
+// grpcCodes maps the Service's codes to gRPC's (any other: Internal).
+var grpcCodes = map[manage.Code]codes.Code{
+	manage.InvalidArgument:    codes.InvalidArgument,
+	manage.NotFound:           codes.NotFound,
+	manage.AlreadyExists:      codes.AlreadyExists,
+	manage.ResourceExhausted:  codes.ResourceExhausted,
+	manage.FailedPrecondition: codes.FailedPrecondition,
+	manage.PermissionDenied:   codes.PermissionDenied,
+	manage.Unavailable:        codes.Unavailable,
+	manage.DeadlineExceeded:   codes.DeadlineExceeded,
+	manage.Canceled:           codes.Canceled,
+}
+
 // toStatus is err as a gRPC status.
 func toStatus(err error) error {
 	if err == nil {
 		return nil
 	}
-	c := codes.Internal
-	switch manage.CodeOf(err) {
-	case manage.InvalidArgument:
-		c = codes.InvalidArgument
-	case manage.NotFound:
-		c = codes.NotFound
-	case manage.AlreadyExists:
-		c = codes.AlreadyExists
-	case manage.ResourceExhausted:
-		c = codes.ResourceExhausted
-	case manage.FailedPrecondition:
-		c = codes.FailedPrecondition
-	case manage.PermissionDenied:
-		c = codes.PermissionDenied
-	case manage.Unavailable:
-		c = codes.Unavailable
-	case manage.DeadlineExceeded:
-		c = codes.DeadlineExceeded
-	case manage.Canceled:
-		c = codes.Canceled
+	c, ok := grpcCodes[manage.CodeOf(err)]
+	if !ok {
+		c = codes.Internal
 	}
 	return status.Error(c, err.Error())
 }
