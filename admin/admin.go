@@ -16,6 +16,8 @@ import (
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/rblk/rblk/internal/lockfile"
 )
 
 // DefaultSocket is where rblkd listens for admin requests.
@@ -227,48 +229,14 @@ func Listen(path string, h Handler, opts ServerOptions) (*Server, error) {
 	return s, nil
 }
 
-// lockFile opens (creating it 0600) the regular file name and locks it
-// (flock LOCK_EX) without waiting: ErrInUse if another open file holds
-// the lock. It follows no symbolic link and does not block on a FIFO.
+// lockFile takes the lock file name (package lockfile): ErrInUse if
+// another open file holds it.
 func lockFile(name string) (*os.File, error) {
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("lock file: %w", err)
-	}
-	st, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("lock file: %w", err)
-	}
-	if !st.Mode().IsRegular() {
-		f.Close()
-		return nil, fmt.Errorf("lock file %s is not a regular file (%v)", name, st.Mode().Type())
-	}
-	rc, err := f.SyscallConn()
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("lock file: %w", err)
-	}
-	var lerr error
-	if err := rc.Control(func(fd uintptr) {
-		for {
-			lerr = unix.Flock(int(fd), unix.LOCK_EX|unix.LOCK_NB)
-			if !errors.Is(lerr, unix.EINTR) {
-				return
-			}
-		}
-	}); err != nil {
-		lerr = err
-	}
-	switch {
-	case errors.Is(lerr, unix.EWOULDBLOCK):
-		f.Close()
+	f, err := lockfile.Lock(name)
+	if errors.Is(err, lockfile.ErrLocked) {
 		return nil, fmt.Errorf("%w: another process holds its lock file %s", ErrInUse, name)
-	case lerr != nil:
-		f.Close()
-		return nil, fmt.Errorf("lock %s: %w", name, lerr)
 	}
-	return f, nil
+	return f, err
 }
 
 // bind listens on the unix socket path, whose lock file the caller holds.

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
+	"github.com/rblk/rblk/internal/lockfile"
 	"github.com/rblk/rblk/internal/safeopen"
 )
 
@@ -195,31 +196,14 @@ func Open(cfg Config) (*Pool, error) {
 	return p, nil
 }
 
-// lockFile opens and locks (flock, without waiting) name.
+// lockFile takes the pool's lock file (package lockfile): ErrInUse if
+// another process holds it.
 func lockFile(name string) (*os.File, error) {
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("lock file: %w", err)
-	}
-	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
-		f.Close()
-		return nil, fmt.Errorf("lock file %s: not a regular file", name)
-	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	switch {
-	case errors.Is(err, unix.EWOULDBLOCK):
-		f.Close()
+	f, err := lockfile.Lock(name)
+	if errors.Is(err, lockfile.ErrLocked) {
 		return nil, fmt.Errorf("%w: another process holds %s", ErrInUse, name)
-	case err != nil:
-		f.Close()
-		return nil, fmt.Errorf("lock %s: %w", name, err)
 	}
-	return f, nil
+	return f, err
 }
 
 // load reads the records and finishes or undoes what a crash cut short:
