@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
+	"github.com/rblk/rblk/cmd/internal/attachstate"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
@@ -20,15 +21,19 @@ import (
 
 // deviceFlags are the flags of attach --device (the kernel's /dev/nbdN).
 type deviceFlags struct {
-	device      string
-	connections int
-	timeout     time.Duration
+	device          string
+	connections     int
+	timeout         time.Duration
+	deadConnTimeout time.Duration
+	adopt           bool
 }
 
 func (d *deviceFlags) register(fl *pflag.FlagSet) {
 	fl.StringVar(&d.device, "device", "", "attach as the block device /dev/nbdN, or auto for the first free one (needs root and modprobe nbd); or as /dev/ublkbN, or ublk for the next free one (Linux >= 6.0 with ublk_drv); this or --nbd-listen")
 	fl.IntVar(&d.connections, "connections", 0, fmt.Sprintf("with --device: sockets the kernel gets (0: number of CPUs, at most %d); for ublk, its queues (0: one per CPU)", kernel.MaxConnections))
 	fl.DurationVar(&d.timeout, "request-timeout", kernel.DefaultTimeout, "with --device: how long the kernel waits for one request before giving up on its connection (0: no limit; by default at least --reconnect-timeout + 1m)")
+	fl.DurationVar(&d.deadConnTimeout, "dead-conn-timeout", 0, "with --device /dev/nbdN: when this process dies, how long the kernel holds the device's IO for another rblk-attach to adopt it (--adopt) before failing it (0: it fails at once)")
+	fl.BoolVar(&d.adopt, "adopt", false, "with --device /dev/nbdN: serve that device, attached to this export and target by an rblk-attach that died, without detaching it (what the kernel held for it goes on; see --dead-conn-timeout)")
 }
 
 // check validates the choice between --nbd-listen and --device and, for a
@@ -40,8 +45,16 @@ func (d *deviceFlags) check(nbdListen string) error {
 		return errors.New("--nbd-listen unix:PATH|tcp:HOST:PORT or --device /dev/nbdN|auto is required")
 	case nbdListen != "" && d.device != "":
 		return errors.New("--nbd-listen and --device exclude each other")
-	case d.device == "" && (d.connections != 0 || d.timeout != kernel.DefaultTimeout):
-		return errors.New("--connections and --request-timeout go with --device")
+	case d.device == "" && (d.connections != 0 || d.timeout != kernel.DefaultTimeout || d.deadConnTimeout != 0 || d.adopt):
+		return errors.New("--connections, --request-timeout, --dead-conn-timeout and --adopt go with --device")
+	case d.deadConnTimeout < 0:
+		return errors.New("--dead-conn-timeout: want 0 (none) or more")
+	case d.adopt && (d.device == "auto" || ublk.IsDevice(d.device)):
+		return errors.New("--adopt needs the device to adopt, /dev/nbdN")
+	case d.deadConnTimeout != 0 && ublk.IsDevice(d.device):
+		return errors.New("--dead-conn-timeout goes with NBD devices")
+	case d.adopt && d.connections != 0:
+		return errors.New("--adopt takes the device's own number of connections: leave out --connections")
 	case d.connections < 0:
 		return errors.New("--connections: want 0 (automatic) or more")
 	case d.device == "":
@@ -64,8 +77,11 @@ func (d *deviceFlags) check(nbdListen string) error {
 	if err != nil {
 		return err
 	}
-	if st.Attached {
-		return fmt.Errorf("%s is attached already (by process %d, backend %q): detach it first", st.Path, st.PID, st.Backend)
+	switch {
+	case d.adopt && !st.Attached:
+		return fmt.Errorf("--adopt: %s is not attached: attach it without --adopt", st.Path)
+	case !d.adopt && st.Attached:
+		return fmt.Errorf("%s is attached already (by process %d, backend %q): detach it first, or --adopt it if its rblk-attach died", st.Path, st.PID, st.Backend)
 	}
 	return nil
 }
@@ -91,16 +107,21 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 	}
 	actx, acancel := context.WithTimeout(ctx, 30*time.Second)
 	exp := nbdExport(vol, f.export)
-	dev, err := kernel.Attach(actx, kernel.Options{Export: exp, Server: srv, Device: f.dev.device,
-		Connections: f.dev.connections, Timeout: timeout, Backend: "rblk:" + f.export + "@" + f.target, Logger: log})
+	kopts := kernel.Options{Export: exp, Server: srv, Device: f.dev.device, Connections: f.dev.connections, Timeout: timeout,
+		DeadConnTimeout: f.dev.deadConnTimeout, Backend: backendID(f.export, f.target), Logger: log}
+	attachDev, verb := kernel.Attach, "attach"
+	if f.dev.adopt {
+		attachDev, verb = kernel.Adopt, "adopt"
+	}
+	dev, err := attachDev(actx, kopts)
 	acancel()
 	if err != nil {
 		closeVol(nil)
-		return fmt.Errorf("attach %q as %s: %w", f.export, f.dev.device, err)
+		return fmt.Errorf("%s %q as %s: %w", verb, f.export, f.dev.device, err)
 	}
 	log.Info("attached", zap.String("device", dev.Path()), zap.String("export", f.export), zap.String("target", f.target),
 		zap.String("transport", transport), zap.Uint64("size", vol.Size()), zap.Bool("read_only", vol.ReadOnly()),
-		zap.Int("connections", dev.Connections()))
+		zap.Int("connections", dev.Connections()), zap.Bool("adopted", f.dev.adopt))
 	grow.set(exp.Size, vol.Size(), grow.nbdDevice(dev))
 	f.state.attached(dev.Path())
 
@@ -128,9 +149,15 @@ func serveDevice(ctx context.Context, f attachFlags, vol *initiator.Volume, srv 
 	return closeVol(runErr)
 }
 
+// backendID is the backend identifier of an attached device
+// (/sys/block/nbdN/backend): the export and the target, as given. An
+// adoption must name the same (the kernel refuses another).
+func backendID(export, target string) string { return "rblk:" + export + "@" + target }
+
 func newDetachCmd() *cobra.Command {
 	var force bool
 	var wait time.Duration
+	var stateDir string
 	cmd := &cobra.Command{
 		Use:   "detach /dev/nbdN|/dev/ublkbN",
 		Short: "Disconnect a device attached by rblk-attach attach --device",
@@ -140,14 +167,15 @@ requests it has, flushes the volume, closes it and exits 0; detach waits for tha
 the serving rblk-attach (SIGTERM) to stop and delete the device. A device in use (mounted)
 is refused unless --force: its users would get IO errors.`,
 		Args: cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error { return detach(args[0], force, wait) },
+		RunE: func(cmd *cobra.Command, args []string) error { return detach(args[0], force, wait, stateDir) },
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "detach even if the device is in use (mounted)")
+	cmd.Flags().StringVar(&stateDir, "state-dir", attachstate.DefaultDir, "folder of the attaches' status files, where an adopted device's rblk-attach is found")
 	cmd.Flags().DurationVar(&wait, "wait", time.Minute, "wait this long for the serving rblk-attach to exit (0: do not wait)")
 	return cmd
 }
 
-func detach(dev string, force bool, wait time.Duration) error {
+func detach(dev string, force bool, wait time.Duration, stateDir string) error {
 	if ublk.IsDevice(dev) {
 		return detachUblk(dev, force, wait)
 	}
@@ -172,18 +200,35 @@ func detach(dev string, force bool, wait time.Duration) error {
 	if err := kernel.Detach(ctx, st.Path); err != nil {
 		return err
 	}
-	if wait <= 0 || st.PID <= 0 || st.PID == os.Getpid() || !strings.HasPrefix(st.Backend, "rblk") {
+	pid := server(st, stateDir)
+	if wait <= 0 || pid <= 0 || pid == os.Getpid() || !strings.HasPrefix(st.Backend, "rblk") {
 		return nil
 	}
 	// The serving rblk-attach flushes, closes the volume and exits.
 	deadline := time.Now().Add(wait)
-	for alive(st.PID) {
+	for alive(pid) {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%s disconnected, but its rblk-attach (process %d) has not exited after %v", st.Path, st.PID, wait)
+			return fmt.Errorf("%s disconnected, but its rblk-attach (process %d) has not exited after %v", st.Path, pid, wait)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	return nil
+}
+
+// server is the process serving an attached device: the one that attached
+// it (the kernel's pid file) while it runs, else the one that adopted it,
+// found by its status file in stateDir; 0 if none runs.
+func server(st *kernel.Status, stateDir string) int {
+	if st.PID > 0 && alive(st.PID) {
+		return st.PID
+	}
+	es, _ := attachstate.List(stateDir)
+	for _, e := range es {
+		if e.Device == st.Path && attachstate.Alive(e) {
+			return e.PID
+		}
+	}
+	return 0
 }
 
 // alive tells whether process pid runs; a zombie has exited.

@@ -52,6 +52,12 @@ type driver interface {
 	// receivers is the number of the device's sockets the kernel reads
 	// replies from; ok is false when it cannot tell.
 	receivers(index int) (n int, ok bool)
+	// stat is the device's state (Stat); connections, the number of
+	// sockets it was attached with.
+	stat(index int) (*Status, error)
+	connections(index int) (int, error)
+	// adopt hands a device whose sockets are dead new ones (adopt.go).
+	adopt(ctx context.Context, c adoptConfig) error
 }
 
 // How Attach checks that the kernel reads every socket it was given.
@@ -239,36 +245,17 @@ func attachOnce(ctx context.Context, opts Options, drv driver, pair func() (mine
 			zap.Uint32("asked", opts.BlockSize), zap.Uint32("block_size", bs))
 	}
 
-	d := &Device{index: -1, export: e, srv: opts.Server, drv: drv, log: opts.Logger, done: make(chan struct{}),
-		blockSize: bs, backend: opts.Backend}
-	if d.srv == nil {
-		if d.srv, err = nbd.NewServer(nbd.Options{Logger: opts.Logger}); err != nil {
-			return nil, err
-		}
-		d.ownSrv = true
-	}
-	d.sctx, d.cancel = context.WithCancel(context.Background())
-
+	d, theirs, err := newDevice(opts, drv, bs, opts.Connections, pair)
 	// The kernel's ends: it takes its own reference to each during
 	// NBD_CMD_CONNECT, so they are closed here whatever happens.
-	var theirs []int
 	defer func() {
 		for _, fd := range theirs {
 			closeFD(fd)
 		}
 	}()
-	for range opts.Connections {
-		c, fd, err := pair()
-		if err != nil {
-			d.abort()
-			return nil, fmt.Errorf("socketpair: %w", err)
-		}
-		d.conns = append(d.conns, c)
-		theirs = append(theirs, fd)
+	if err != nil {
+		return nil, err
 	}
-	// Serve before the kernel has the sockets: it may read the partition
-	// table as soon as the device has a size.
-	d.serve()
 
 	cfg := connectConfig{Index: index, SizeBytes: e.Size, BlockSizeBytes: uint64(bs), Timeout: opts.Timeout,
 		DeadConnTimeout: opts.DeadConnTimeout, ServerFlags: flags, Backend: opts.Backend, FDs: theirs}
@@ -285,6 +272,35 @@ func attachOnce(ctx context.Context, opts Options, drv driver, pair func() (mine
 		zap.Uint64("size", e.Size), zap.Uint32("block_size", bs), zap.Int("connections", len(d.conns)),
 		zap.String("server_flags", fmt.Sprintf("%#x", flags)), zap.Duration("timeout", opts.Timeout))
 	return d, nil
+}
+
+// newDevice makes a Device of n socketpairs, served from the start (the
+// kernel may read the partition table as soon as it has the sockets), and
+// returns the kernel's ends, which the caller closes whatever happens.
+func newDevice(opts Options, drv driver, bs uint32, n int, pair func() (mine net.Conn, theirs int, err error)) (*Device, []int, error) {
+	d := &Device{index: -1, export: opts.Export, srv: opts.Server, drv: drv, log: opts.Logger, done: make(chan struct{}),
+		blockSize: bs, backend: opts.Backend}
+	if d.srv == nil {
+		var err error
+		if d.srv, err = nbd.NewServer(nbd.Options{Logger: opts.Logger}); err != nil {
+			return nil, nil, err
+		}
+		d.ownSrv = true
+	}
+	d.sctx, d.cancel = context.WithCancel(context.Background())
+	var theirs []int
+	for range n {
+		c, fd, err := pair()
+		if err != nil {
+			d.serve() // (nothing to serve: it closes done)
+			d.abort()
+			return nil, theirs, fmt.Errorf("socketpair: %w", err)
+		}
+		d.conns = append(d.conns, c)
+		theirs = append(theirs, fd)
+	}
+	d.serve()
+	return d, theirs, nil
 }
 
 // serve runs ServeTransmission on each of our ends.

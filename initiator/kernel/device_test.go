@@ -119,6 +119,9 @@ type fakeKernel struct {
 	// them.
 	resizes        []resizeConfig
 	reconfigureErr error
+	// adopts are the reconfigures that hand over sockets (adopt_test.go).
+	adopts         []adoptConfig
+	adoptTakesNone bool
 }
 
 func newFakeKernel(t *testing.T) *fakeKernel {
@@ -189,7 +192,7 @@ func (k *fakeKernel) receivers(int) (int, bool) {
 	}
 	n := 0
 	for _, s := range k.cur {
-		if s.reading {
+		if s.reading && !s.isDead() {
 			n++
 		}
 	}
@@ -233,6 +236,13 @@ type fakeSock struct {
 	cookie  uint64
 	readLen map[uint64]uint32
 	replies map[uint64]chan reply
+	dead    bool // its reader saw the other end close
+}
+
+func (s *fakeSock) isDead() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.dead
 }
 
 type reply struct {
@@ -249,6 +259,11 @@ func newFakeSock(t *testing.T, c net.Conn, reading bool) *fakeSock {
 }
 
 func (s *fakeSock) readReplies() {
+	defer func() {
+		s.mu.Lock()
+		s.dead = true
+		s.mu.Unlock()
+	}()
 	var h [16]byte
 	for {
 		if _, err := io.ReadFull(s.c, h[:]); err != nil {

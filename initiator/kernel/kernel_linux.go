@@ -18,6 +18,28 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// Adopt serves the device opts.Device in place of a server that is gone
+// (an rblk-attach killed, or restarted with its container), without
+// detaching it: a file system mounted on it stays mounted. The device must
+// be attached with opts.Backend as its backend identifier and none of its
+// sockets read any more (every one dead: the kernel saw its server's end
+// close); otherwise ErrInUse, or ErrNotAttached. Adopt makes as many new
+// socketpairs, serves them, and hands the kernel their other ends with one
+// NBD_CMD_RECONFIGURE, which also sets the request and dead-connection
+// timeouts again and grows the device when opts.Export is larger.
+//
+// What the kernel holds is not lost: requests queued after the sockets
+// died wait for a new socket for the dead-connection timeout the device
+// was attached with (Options.DeadConnTimeout: 0 fails them at once, so
+// only a device attached with one can be adopted without IO errors), and
+// go out on the new sockets. Requests that were sent on a dead socket and
+// never answered are sent again once their request timeout
+// (Options.Timeout) expires; a write sent again is the same write, so
+// nothing is applied out of order: the dead server is gone.
+func Adopt(ctx context.Context, opts Options) (*Device, error) {
+	return adopt(ctx, opts, netlinkDriver{}, socketpair, unix.Close)
+}
+
 // Attach creates opts.Connections socketpairs, serves this process's end of
 // each with opts.Server.ServeTransmission for opts.Export, and hands the
 // other ends to the kernel's NBD driver with one NBD_CMD_CONNECT. It returns
@@ -240,6 +262,21 @@ func (n netlinkDriver) reconfigure(ctx context.Context, cfg resizeConfig) error 
 	}
 	return n.executeAck(ctx, nbdCmdReconfigure, "NBD_CMD_RECONFIGURE", data)
 }
+
+func (n netlinkDriver) adopt(ctx context.Context, cfg adoptConfig) error {
+	data, err := encodeAdopt(cfg)
+	if err != nil {
+		return err
+	}
+	return n.executeAck(ctx, nbdCmdReconfigure, "NBD_CMD_RECONFIGURE", data)
+}
+
+// connections counts the device's sockets: the kernel gives it a hardware
+// queue per socket (nbd_start_device), each a directory of
+// /sys/block/nbdN/mq.
+func (netlinkDriver) connections(index int) (int, error) { return countConnections(index) }
+
+func (netlinkDriver) stat(index int) (*Status, error) { return statIndex(index) }
 
 // Available reports ErrNoModule when the kernel has no NBD driver, or why
 // its netlink interface cannot be reached; nil when Attach can try.

@@ -22,3 +22,6 @@ func inUse(string) (bool, error) { return false, errNotLinux }
 
 // Available is Linux only.
 func Available(context.Context) error { return errNotLinux }
+
+// Adopt is Linux only.
+func Adopt(context.Context, Options) (*Device, error) { return nil, errNotLinux }

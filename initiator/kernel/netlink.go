@@ -243,3 +243,52 @@ func encodeResize(c resizeConfig) ([]byte, error) {
 	}
 	return ae.Encode()
 }
+
+// adoptConfig is the content of the NBD_CMD_RECONFIGURE that hands a
+// device whose server died new sockets (nbd_genl_reconfigure: each socket
+// replaces one the kernel marked dead, nbd_reconnect_socket; one more
+// than there are dead sockets is dropped without an error). The backend
+// identifier must be the device's (else EINVAL: "backend image doesn't
+// match"); the timeouts are set again, as this server asks; SizeBytes (0:
+// unchanged) grows the device in the same call.
+type adoptConfig struct {
+	Index           int
+	Backend         string
+	SizeBytes       uint64
+	Timeout         time.Duration // whole seconds on the wire
+	DeadConnTimeout time.Duration // whole seconds on the wire
+	FDs             []int
+}
+
+// encodeAdopt builds the attributes of that NBD_CMD_RECONFIGURE.
+func encodeAdopt(c adoptConfig) ([]byte, error) {
+	if c.Index < 0 || c.Index > math.MaxInt32 {
+		return nil, fmt.Errorf("device index %d out of range", c.Index)
+	}
+	if len(c.FDs) == 0 {
+		return nil, errors.New("no socket to hand to the kernel")
+	}
+	ae := netlink.NewAttributeEncoder()
+	ae.Uint32(nbdAttrIndex, uint32(c.Index))
+	if c.SizeBytes != 0 {
+		ae.Uint64(nbdAttrSizeBytes, c.SizeBytes)
+	}
+	ae.Uint64(nbdAttrTimeout, seconds(c.Timeout))
+	ae.Uint64(nbdAttrDeadConnTimeout, seconds(c.DeadConnTimeout))
+	if c.Backend != "" {
+		ae.String(nbdAttrBackendIdentifier, c.Backend)
+	}
+	ae.Nested(nbdAttrSockets, func(nae *netlink.AttributeEncoder) error {
+		for _, fd := range c.FDs {
+			if fd < 0 || fd > math.MaxInt32 {
+				return fmt.Errorf("bad socket descriptor %d", fd)
+			}
+			nae.Nested(nbdSockItem, func(s *netlink.AttributeEncoder) error {
+				s.Uint32(nbdSockFD, uint32(fd))
+				return nil
+			})
+		}
+		return nil
+	})
+	return ae.Encode()
+}

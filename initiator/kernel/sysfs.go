@@ -110,3 +110,22 @@ func statIndex(index int) (*Status, error) {
 	}
 	return st, nil
 }
+
+// countConnections counts the hardware queues of /dev/nbdN, one per
+// socket the device was attached with.
+func countConnections(index int) (int, error) {
+	ents, err := os.ReadDir(filepath.Join(sysBlock, "nbd"+strconv.Itoa(index), "mq"))
+	if err != nil {
+		return 0, fmt.Errorf("%s: its sockets: %w", DevicePath(index), err)
+	}
+	n := 0
+	for _, e := range ents {
+		if e.IsDir() {
+			n++
+		}
+	}
+	if n == 0 {
+		return 0, fmt.Errorf("%s: no hardware queue in sysfs", DevicePath(index))
+	}
+	return n, nil
+}
