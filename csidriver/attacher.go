@@ -14,10 +14,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/internal/safeopen"
 )
 
@@ -51,13 +53,32 @@ type RBLKAttacher struct {
 	DeviceKind string
 	// Timeout bounds an attach. Default 60 s.
 	Timeout time.Duration
+	// Args are more arguments of rblk-attach attach, such as
+	// --reconnect-timeout, --request-timeout or --queues (see
+	// CheckAttachArgs).
+	Args []string
+	// AdoptTimeout is rblk-attach's --dead-conn-timeout on /dev/nbdN:
+	// when an rblk-attach dies (the plugin's container restarted with
+	// it), how long the kernel holds its volume's IO for the next plugin
+	// to adopt the device (Recover). 0: DefaultAdoptTimeout; negative:
+	// none (IO fails at once).
+	AdoptTimeout time.Duration
 }
+
+// DefaultAdoptTimeout is RBLKAttacher.AdoptTimeout's default: long
+// enough for a node plugin's container to be restarted.
+const DefaultAdoptTimeout = 2 * time.Minute
 
 // attachRecord is what RBLKAttacher keeps of an attached volume.
 type attachRecord struct {
 	VolumeID string `json:"volume_id"`
 	PID      int    `json:"pid"`
 	Device   string `json:"device"`
+	// Backend is the device's backend identifier
+	// (/sys/block/nbdN/backend) and Args rblk-attach's arguments: an
+	// adoption checks the one and runs the other with --adopt.
+	Backend string   `json:"backend,omitempty"`
+	Args    []string `json:"args,omitempty"`
 }
 
 func (a *RBLKAttacher) recordPath(id string) string {
@@ -103,10 +124,14 @@ func (a *RBLKAttacher) Device(id string) (string, bool) {
 // attachedRE finds the device in rblk-attach's "attached" log line.
 var attachedRE = regexp.MustCompile(`"msg":"attached".*"device":"(/dev/[a-z0-9]+)"`)
 
-// Attach implements Attacher.
+// Attach implements Attacher. A volume whose rblk-attach died while its
+// /dev/nbdN stayed attached is adopted, not attached again.
 func (a *RBLKAttacher) Attach(ctx context.Context, id string, volCtx map[string]string) (string, error) {
 	if dev, ok := a.Device(id); ok {
 		return dev, nil
+	}
+	if r, ok := a.read(id); ok && a.adoptable(r) {
+		return a.adopt(ctx, r)
 	}
 	addr, export := volCtx[CtxAddress], volCtx[CtxExport]
 	if addr == "" || export == "" {
@@ -128,7 +153,105 @@ func (a *RBLKAttacher) Attach(ctx context.Context, id string, volCtx map[string]
 	if a.SecretFile != "" {
 		args = append(args, "--secret-file", a.SecretFile)
 	}
-	logPath := strings.TrimSuffix(a.recordPath(id), ".json") + ".log"
+	if device == "auto" && a.adoptTimeout() > 0 {
+		args = append(args, "--dead-conn-timeout", a.adoptTimeout().String())
+	}
+	args = append(args, a.Args...)
+	return a.start(ctx, attachRecord{VolumeID: id, Backend: "rblk:" + export + "@" + addr, Args: args}, args)
+}
+
+// ownFlags are the flags of rblk-attach attach that RBLKAttacher sets.
+var ownFlags = []string{"--target", "--export", "--transport", "--device", "--host-id", "--host-id-file", "--state-dir",
+	"--log-format", "--secret-file", "--dead-conn-timeout", "--adopt", "--nbd-listen"}
+
+// CheckAttachArgs refuses in RBLKAttacher.Args what is not a flag, or is
+// one RBLKAttacher sets itself.
+func CheckAttachArgs(args []string) error {
+	for i, arg := range args {
+		if !strings.HasPrefix(arg, "--") {
+			if i > 0 && strings.HasPrefix(args[i-1], "--") && !strings.Contains(args[i-1], "=") {
+				continue // (a flag's value)
+			}
+			return fmt.Errorf("rblk-attach argument %q: want --FLAG=VALUE or --FLAG VALUE", arg)
+		}
+		name, _, _ := strings.Cut(arg, "=")
+		if slices.Contains(ownFlags, name) {
+			return fmt.Errorf("rblk-attach argument %s: rblk-csi sets it", name)
+		}
+	}
+	return nil
+}
+
+func (a *RBLKAttacher) adoptTimeout() time.Duration {
+	if a.AdoptTimeout == 0 {
+		return DefaultAdoptTimeout
+	}
+	return a.AdoptTimeout
+}
+
+// adoptable reports whether r's rblk-attach is gone while its /dev/nbdN
+// is still attached to the same export and target.
+func (a *RBLKAttacher) adoptable(r *attachRecord) bool {
+	if r.Backend == "" || len(r.Args) == 0 || r.alive() {
+		return false
+	}
+	st, err := kernel.Stat(r.Device)
+	return err == nil && st.Attached && st.Backend == r.Backend
+}
+
+// adopt starts an rblk-attach that adopts r's device.
+func (a *RBLKAttacher) adopt(ctx context.Context, r *attachRecord) (string, error) {
+	args := slices.Clone(r.Args)
+	if i := slices.Index(args, "--device"); i >= 0 && i+1 < len(args) {
+		args[i+1] = r.Device
+	} else {
+		args = append(args, "--device", r.Device)
+	}
+	args = append(args, "--adopt")
+	dev, err := a.start(ctx, attachRecord{VolumeID: r.VolumeID, Backend: r.Backend, Args: r.Args}, args)
+	if err != nil {
+		return "", fmt.Errorf("adopt %s: %w", r.Device, err)
+	}
+	if dev != r.Device {
+		return "", fmt.Errorf("adopt %s: rblk-attach attached %s", r.Device, dev)
+	}
+	return dev, nil
+}
+
+// Recover adopts, after a restart of the plugin, every attached volume
+// whose rblk-attach is gone (killed with the plugin's container) while its
+// device stayed attached: IO the kernel held goes on, and the file system
+// on it stays mounted. Attaches that still run are left as they are. It
+// returns how many it adopted, and what failed.
+func (a *RBLKAttacher) Recover(ctx context.Context) (int, error) {
+	names, err := filepath.Glob(filepath.Join(a.StateDir, "csi-*.json"))
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	var errs []error
+	for _, name := range names {
+		b, _, err := safeopen.ReadFile(name, 64<<10)
+		if err != nil {
+			continue
+		}
+		var r attachRecord
+		if json.Unmarshal(b, &r) != nil || r.VolumeID == "" || a.recordPath(r.VolumeID) != name || !a.adoptable(&r) {
+			continue
+		}
+		if _, err := a.adopt(ctx, &r); err != nil {
+			errs = append(errs, fmt.Errorf("volume %s: %w", r.VolumeID, err))
+			continue
+		}
+		n++
+	}
+	return n, errors.Join(errs...)
+}
+
+// start runs rblk-attach with args until it attached, then writes r with
+// its process and device.
+func (a *RBLKAttacher) start(ctx context.Context, r attachRecord, args []string) (string, error) {
+	logPath := strings.TrimSuffix(a.recordPath(r.VolumeID), ".json") + ".log"
 	logFile, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NOFOLLOW, 0o640)
 	if err != nil {
 		return "", err
@@ -153,8 +276,8 @@ func (a *RBLKAttacher) Attach(ctx context.Context, id string, volCtx map[string]
 	defer tick.Stop()
 	for {
 		if dev := attachedDevice(logPath); dev != "" {
-			r := attachRecord{VolumeID: id, PID: cmd.Process.Pid, Device: dev}
-			if err := writeJSON(a.recordPath(id), r); err != nil {
+			r.PID, r.Device = cmd.Process.Pid, dev
+			if err := writeJSON(a.recordPath(r.VolumeID), r); err != nil {
 				cmd.Process.Signal(syscall.SIGTERM)
 				return "", err
 			}
@@ -165,7 +288,7 @@ func (a *RBLKAttacher) Attach(ctx context.Context, id string, volCtx map[string]
 			return "", fmt.Errorf("rblk-attach exited (%v): %s", err, tail(logPath))
 		case <-wctx.Done():
 			cmd.Process.Signal(syscall.SIGTERM)
-			return "", fmt.Errorf("rblk-attach did not attach %s within %v: %s", export, timeout, tail(logPath))
+			return "", fmt.Errorf("rblk-attach did not attach %s within %v: %s", r.Backend, timeout, tail(logPath))
 		case <-tick.C:
 		}
 	}
@@ -214,6 +337,15 @@ func (a *RBLKAttacher) Detach(ctx context.Context, id string) error {
 	r, ok := a.read(id)
 	if !ok {
 		return nil
+	}
+	if !r.alive() && r.Backend != "" {
+		// Its rblk-attach died and nobody adopted the device: disconnect
+		// it, failing what the kernel held (nothing can flush it).
+		if st, err := kernel.Stat(r.Device); err == nil && st.Attached && st.Backend == r.Backend {
+			if err := kernel.Detach(ctx, r.Device); err != nil {
+				return fmt.Errorf("disconnect %s, whose rblk-attach is gone: %w", r.Device, err)
+			}
+		}
 	}
 	if r.alive() {
 		syscall.Kill(r.PID, syscall.SIGTERM)

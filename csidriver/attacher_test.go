@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -33,7 +34,8 @@ while :; do sleep 0.05; done
 
 func TestRBLKAttacher(t *testing.T) {
 	bin := fakeAttach(t, false)
-	a := &RBLKAttacher{Bin: bin, HostID: "n1", SecretFile: "/etc/rblk/secret", StateDir: filepath.Join(t.TempDir(), "state")}
+	a := &RBLKAttacher{Bin: bin, HostID: "n1", SecretFile: "/etc/rblk/secret", StateDir: filepath.Join(t.TempDir(), "state"),
+		Args: []string{"--reconnect-timeout=30s"}}
 	ctx := context.Background()
 	volCtx := map[string]string{CtxAddress: "192.0.2.10:7480", CtxExport: "p:v", CtxTransport: "rdma"}
 	dev, err := a.Attach(ctx, "t/p/v", volCtx)
@@ -41,7 +43,8 @@ func TestRBLKAttacher(t *testing.T) {
 		t.Fatalf("attach: %q, %v", dev, err)
 	}
 	args, _ := os.ReadFile(filepath.Join(filepath.Dir(bin), "args"))
-	for _, want := range []string{"attach", "--target 192.0.2.10:7480", "--export p:v", "--transport rdma", "--device auto", "--host-id n1", "--secret-file /etc/rblk/secret"} {
+	for _, want := range []string{"attach", "--target 192.0.2.10:7480", "--export p:v", "--transport rdma", "--device auto", "--host-id n1", "--secret-file /etc/rblk/secret",
+		"--dead-conn-timeout 2m0s", "--reconnect-timeout=30s"} {
 		if !strings.Contains(string(args), want) {
 			t.Errorf("rblk-attach's arguments %q lack %q", args, want)
 		}
@@ -49,6 +52,11 @@ func TestRBLKAttacher(t *testing.T) {
 	r, ok := a.read("t/p/v")
 	if !ok {
 		t.Fatal("no record of the attach")
+	}
+	// What an adoption needs: the device's backend identifier, and the
+	// arguments to start rblk-attach with again.
+	if r.Backend != "rblk:p:v@192.0.2.10:7480" || !slices.Contains(r.Args, "--export") || slices.Contains(r.Args, "--adopt") {
+		t.Errorf("the record %+v", r)
 	}
 	// Attached already: the same, no second process.
 	if dev2, err := a.Attach(ctx, "t/p/v", volCtx); err != nil || dev2 != dev {
@@ -85,5 +93,18 @@ func TestRBLKAttacherFails(t *testing.T) {
 	}
 	if _, err := a.Attach(context.Background(), "t/p/v", map[string]string{}); err == nil {
 		t.Fatal("attach without an address or export succeeded")
+	}
+}
+
+func TestCheckAttachArgs(t *testing.T) {
+	for _, ok := range [][]string{nil, {"--reconnect-timeout=30s"}, {"--request-timeout", "1m", "--queues=4"}, {"--takeover"}} {
+		if err := CheckAttachArgs(ok); err != nil {
+			t.Errorf("%q: %v", ok, err)
+		}
+	}
+	for _, bad := range [][]string{{"--export=x"}, {"--device", "/dev/nbd3"}, {"--adopt"}, {"x"}, {"--queues=4", "5"}, {"--state-dir=/tmp"}} {
+		if err := CheckAttachArgs(bad); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
 	}
 }

@@ -2,9 +2,11 @@ package csidriver
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"go.uber.org/zap"
@@ -249,9 +251,9 @@ func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRe
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node", req.VolumeId)
 	}
-	size, err := deviceSize(dev)
+	size, err := waitDeviceSize(ctx, dev, req.GetCapacityRange().GetRequiredBytes())
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "expand volume %s: %v", req.VolumeId, err)
+		return nil, status.Errorf(codes.Unavailable, "expand volume %s: %v", req.VolumeId, err)
 	}
 	st, err := os.Stat(req.VolumePath)
 	if err != nil {
@@ -320,4 +322,28 @@ func (n *Node) NodeGetVolumeHealth(_ context.Context, req *csi.NodeGetVolumeHeal
 			Message: "the volume's rblk-attach is not running on this node, or its device is gone"}}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
+}
+
+// How long NodeExpandVolume waits for the device to show the grown
+// volume; a variable for tests.
+var growWait = 30 * time.Second
+
+// waitDeviceSize returns dev's size once it is at least want bytes: the
+// target tells rblk-attach of an online growth, which resizes the device,
+// a moment after ControllerExpandVolume returns. It waits up to growWait
+// (or ctx), then fails: the caller retries.
+func waitDeviceSize(ctx context.Context, dev string, want int64) (int64, error) {
+	ctx, cancel := context.WithTimeout(ctx, growWait)
+	defer cancel()
+	for {
+		size, err := deviceSize(dev)
+		if err != nil || size >= want {
+			return size, err
+		}
+		select {
+		case <-ctx.Done():
+			return size, fmt.Errorf("%s has %d bytes, the volume %d: its attach has not resized it yet", dev, size, want)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }

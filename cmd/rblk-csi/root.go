@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -23,6 +24,8 @@ type flags struct {
 	topology                          []string
 	attachBin, secretFile, stateDir   string
 	device, defaultFS                 string
+	adoptTimeout                      time.Duration
+	attachArgs                        []string
 }
 
 func newRootCmd() *cobra.Command {
@@ -57,6 +60,8 @@ rblk host ID).`,
 	fl.StringVar(&f.secretFile, "secret-file", "", "node: this node's secret (rblk-attach --secret-file)")
 	fl.StringVar(&f.stateDir, "state-dir", "/run/rblk/csi", "node: the attaches' records and status files")
 	fl.StringVar(&f.device, "device", "auto", "node: auto (the kernel's /dev/nbdN) or ublk")
+	fl.StringArrayVar(&f.attachArgs, "attach-arg", nil, "node: one more argument of rblk-attach attach, such as --reconnect-timeout=30s (repeatable)")
+	fl.DurationVar(&f.adoptTimeout, "adopt-timeout", csidriver.DefaultAdoptTimeout, "node: when an rblk-attach dies (its container restarted), how long the kernel holds its /dev/nbdN's IO for the next start of the plugin to adopt the device (0: IO fails at once)")
 	fl.StringVar(&f.defaultFS, "default-fs", "ext4", "node: the file system made where a volume's capability names none: ext4 or xfs")
 	root.AddCommand(cli.GenDocsCmd(root))
 	return root
@@ -113,7 +118,24 @@ func run(f flags) error {
 		if f.defaultFS != "ext4" && f.defaultFS != "xfs" {
 			return fmt.Errorf("--default-fs %q: want ext4 or xfs", f.defaultFS)
 		}
-		att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir, DeviceKind: f.device}
+		if err := csidriver.CheckAttachArgs(f.attachArgs); err != nil {
+			return fmt.Errorf("--attach-arg: %w", err)
+		}
+		if f.adoptTimeout < 0 {
+			return fmt.Errorf("--adopt-timeout %v: want 0 (none) or more", f.adoptTimeout)
+		}
+		adopt := f.adoptTimeout
+		if adopt == 0 {
+			adopt = -1 // (RBLKAttacher's none)
+		}
+		att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir, DeviceKind: f.device,
+			AdoptTimeout: adopt, Args: f.attachArgs}
+		// Before serving: a NodeStage or a stats call finds the attaches
+		// as they were before the restart.
+		n, err := att.Recover(ctx)
+		if n > 0 || err != nil {
+			log.Info("adopted the devices whose rblk-attach had gone", zap.Int("adopted", n), zap.NamedError("failed", err))
+		}
 		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: att, DefaultFS: f.defaultFS, Logger: log}
 		if srv, err = csidriver.Listen(f.endpoint, id, nil, node, log); err != nil {
 			return err
