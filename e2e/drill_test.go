@@ -32,37 +32,8 @@ import (
 func TestNodeFailureDrill(t *testing.T) {
 	t.Parallel()
 	needTools(t, "qemu-io", "fio")
-	dir := t.TempDir()
 	authFile, secretA, secretB := authFiles(t)
-	tlsDir := filepath.Join(dir, "tls")
-	for _, args := range [][]string{{"ca"}, {"server", "--name", "storage-1", "--host", "127.0.0.1"}, {"client", "--name", "rblk-csi-controller"}} {
-		mustRun(t, cmdTimeout, rblkdBin, append(append([]string{"cert"}, args...), "--dir", tlsDir)...)
-	}
-	f := func(name string) string { return filepath.Join(tlsDir, name) }
-	apiAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	cfg := filepath.Join(dir, "rblkd.yaml")
-	conf := fmt.Sprintf("pools:\n  - name: fast\n    directory: %s\n    capacity: 256M\nmanagement:\n  listen: %s\n  cert: %s\n  key: %s\n  client_ca: %s\n"+
-		"  clients:\n    - identity: rblk-csi-controller\n      pools: [\"*\"]\n",
-		filepath.Join(dir, "fast"), apiAddr, f("storage-1.crt"), f("storage-1.key"), f("ca.crt"))
-	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	tg := startTarget(t, nil, "--config", cfg, "--auth-file", authFile)
-	if err := waitUntil(tg.proc, 20*time.Second, func() bool { return strings.Contains(tg.out.String(), "management API") }); err != nil {
-		t.Fatal(err)
-	}
-
-	tc, err := remote.ClientTLS(f("rblk-csi-controller.crt"), f("rblk-csi-controller.key"), f("ca.crt"), "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	inv, err := csidriver.NewInventory(&csidriver.InventoryFile{Targets: []csidriver.TargetConfig{
-		{Name: "storage-1", Management: apiAddr, Address: tg.addr, Transport: e2eTransport()}}}, tc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer inv.Close()
-	ctrl := csidriver.NewController(inv, nil)
+	tg, ctrl, dir := csiTarget(t, authFile)
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTimeout)
 	defer cancel()
 	capability := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
@@ -136,4 +107,41 @@ func TestNodeFailureDrill(t *testing.T) {
 		}
 		t.Fatalf("the file holds %#x at %d: not node B's bytes alone (a write of node A's landed after its fence?)", file[i], i)
 	}
+}
+
+// csiTarget starts rblkd with a pool "fast" (256 MiB, in dir/fast), its
+// management API (certificates made by rblkd cert) and authFile, and
+// returns it with an rblk-csi controller (as rblk-csi --mode controller
+// runs it) whose inventory names it, storage-1.
+func csiTarget(t *testing.T, authFile string) (tg *target, ctrl *csidriver.Controller, dir string) {
+	t.Helper()
+	dir = t.TempDir()
+	tlsDir := filepath.Join(dir, "tls")
+	for _, args := range [][]string{{"ca"}, {"server", "--name", "storage-1", "--host", "127.0.0.1"}, {"client", "--name", "rblk-csi-controller"}} {
+		mustRun(t, cmdTimeout, rblkdBin, append(append([]string{"cert"}, args...), "--dir", tlsDir)...)
+	}
+	f := func(name string) string { return filepath.Join(tlsDir, name) }
+	apiAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	cfg := filepath.Join(dir, "rblkd.yaml")
+	conf := fmt.Sprintf("pools:\n  - name: fast\n    directory: %s\n    capacity: 256M\nmanagement:\n  listen: %s\n  cert: %s\n  key: %s\n  client_ca: %s\n"+
+		"  clients:\n    - identity: rblk-csi-controller\n      pools: [\"*\"]\n",
+		filepath.Join(dir, "fast"), apiAddr, f("storage-1.crt"), f("storage-1.key"), f("ca.crt"))
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tg = startTarget(t, nil, "--config", cfg, "--auth-file", authFile)
+	if err := waitUntil(tg.proc, 20*time.Second, func() bool { return strings.Contains(tg.out.String(), "management API") }); err != nil {
+		t.Fatal(err)
+	}
+	tc, err := remote.ClientTLS(f("rblk-csi-controller.crt"), f("rblk-csi-controller.key"), f("ca.crt"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := csidriver.NewInventory(&csidriver.InventoryFile{Targets: []csidriver.TargetConfig{
+		{Name: "storage-1", Management: apiAddr, Address: tg.addr, Transport: e2eTransport()}}}, tc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { inv.Close() })
+	return tg, csidriver.NewController(inv, nil), dir
 }
