@@ -97,8 +97,8 @@ func TestParseDevice(t *testing.T) {
 
 func TestStat(t *testing.T) {
 	root := t.TempDir()
-	defer func(b, m string) { sysBlock, sysModule = b, m }(sysBlock, sysModule)
-	sysBlock, sysModule = filepath.Join(root, "block"), filepath.Join(root, "module", "nbd")
+	defer func(b, m, p string) { sysBlock, sysModule, procDir = b, m, p }(sysBlock, sysModule, procDir)
+	sysBlock, sysModule, procDir = filepath.Join(root, "block"), filepath.Join(root, "module", "nbd"), filepath.Join(root, "proc")
 
 	if _, err := Stat("/dev/nbd0"); err != ErrNoModule {
 		t.Errorf("no module: %v", err)
@@ -120,6 +120,18 @@ func TestStat(t *testing.T) {
 	write("nbd1/pid", "4242\n")
 	write("nbd1/backend", "rblk:vol@127.0.0.1:7480\n")
 
+	// The kernel names the thread that attached nbd2: its process is
+	// shown.
+	write("nbd2/pid", "4243\n")
+	if err := os.MkdirAll(filepath.Join(procDir, "4243"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(procDir, "4243", "status"), []byte("Name:\trblk-attach\nTgid:\t4200\nPid:\t4243\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := Stat("nbd2"); err != nil || st.PID != 4200 {
+		t.Errorf("nbd2, attached by thread 4243 of process 4200: %+v, %v", st, err)
+	}
 	st, err := Stat("nbd0")
 	if err != nil || st.Attached || st.Path != "/dev/nbd0" || st.Size != 0 {
 		t.Errorf("nbd0: %+v, %v", st, err)

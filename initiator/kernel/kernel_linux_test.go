@@ -8,6 +8,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -130,5 +131,19 @@ func TestCountReceivers(t *testing.T) {
 	}
 	if _, ok := countReceivers(proc+"/none", 0); ok {
 		t.Error("no /proc: ok")
+	}
+}
+
+// threadGroup maps a thread of this process (the kernel's pid file names
+// the thread that sent NBD_CMD_CONNECT) to this process.
+func TestThreadGroup(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	tid := unix.Gettid()
+	if got := threadGroup(tid); got != os.Getpid() {
+		t.Errorf("threadGroup(%d) = %d, want this process %d", tid, got, os.Getpid())
+	}
+	if got := threadGroup(0); got != 0 {
+		t.Errorf("threadGroup(0) = %d", got)
 	}
 }

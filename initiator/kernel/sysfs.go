@@ -66,7 +66,9 @@ type Status struct {
 	// is still open).
 	Attached bool
 	// PID is the process that attached it (the one that sent
-	// NBD_CMD_CONNECT), 0 if not attached.
+	// NBD_CMD_CONNECT), 0 if not attached. The kernel shows the thread
+	// that sent it: a thread of a process that runs counts as the
+	// process; one that is gone stays as it is.
 	PID int
 	// Backend is the identifier the attaching process gave
 	// (/sys/block/nbdN/backend), "" if none.
@@ -99,6 +101,7 @@ func statIndex(index int) (*Status, error) {
 	if b, err := os.ReadFile(filepath.Join(dir, "pid")); err == nil {
 		st.Attached = true
 		st.PID, _ = strconv.Atoi(strings.TrimSpace(string(b)))
+		st.PID = threadGroup(st.PID)
 	}
 	if b, err := os.ReadFile(filepath.Join(dir, "backend")); err == nil {
 		st.Backend = strings.TrimSpace(string(b))
@@ -128,4 +131,27 @@ func countConnections(index int) (int, error) {
 		return 0, fmt.Errorf("%s: no hardware queue in sysfs", DevicePath(index))
 	}
 	return n, nil
+}
+
+// procDir is /proc; a variable for tests.
+var procDir = "/proc"
+
+// threadGroup is the process of thread tid (its Tgid), or tid when it
+// cannot tell (the thread is gone).
+func threadGroup(tid int) int {
+	if tid <= 0 {
+		return tid
+	}
+	b, err := os.ReadFile(filepath.Join(procDir, strconv.Itoa(tid), "status"))
+	if err != nil {
+		return tid
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Tgid:"); ok {
+			if pid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil && pid > 0 {
+				return pid
+			}
+		}
+	}
+	return tid
 }
