@@ -27,8 +27,9 @@ import (
 // published, attaches and writes 0xbb there. A's writes after the fence
 // fail (its attach ends, told it was fenced), and the file holds B's bytes
 // alone. It logs the time from ControllerUnpublishVolume to B's first
-// write. (rblk-attach stands in for the node service, which does not
-// stage yet.)
+// write. rblk-attach's NBD sockets stand in for the nodes here, which need
+// no root; TestNodeFailureDrillNodes runs the drill with two node services
+// on /dev/nbdN.
 func TestNodeFailureDrill(t *testing.T) {
 	t.Parallel()
 	needTools(t, "qemu-io", "fio")
