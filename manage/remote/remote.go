@@ -3,11 +3,9 @@ package remote
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"slices"
 	"sync"
 	"time"
@@ -74,31 +72,12 @@ type Server struct {
 // identityKey is the context key of a request's client identity.
 type identityKey struct{}
 
-// TLSConfig is the server's TLS configuration: TLS 1.3 only, a client
-// certificate signed by one of the CAs of clientCAFile required.
+// TLSConfig is the server's TLS configuration as the files hold it now:
+// TLS 1.3 only, a client certificate signed by one of the CAs of
+// clientCAFile required. (The server itself reloads the files when they
+// change.)
 func TLSConfig(certFile, keyFile, clientCAFile string) (*tls.Config, error) {
-	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		return nil, fmt.Errorf("server certificate: %w", err)
-	}
-	cas, err := loadCAs(clientCAFile)
-	if err != nil {
-		return nil, fmt.Errorf("client CA: %w", err)
-	}
-	return &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert},
-		ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: cas}, nil
-}
-
-func loadCAs(file string) (*x509.CertPool, error) {
-	b, err := os.ReadFile(file)
-	if err != nil {
-		return nil, err
-	}
-	cas := x509.NewCertPool()
-	if !cas.AppendCertsFromPEM(b) {
-		return nil, fmt.Errorf("%s: no PEM certificate in it", file)
-	}
-	return cas, nil
+	return load(certFile, keyFile, clientCAFile)
 }
 
 // Listen serves svc on opts.Listen until Close.
@@ -115,10 +94,13 @@ func Listen(svc *manage.Service, opts Options) (*Server, error) {
 	if len(opts.Clients) == 0 {
 		return nil, errors.New("management API: no clients: name at least one identity and its pools")
 	}
-	tc, err := TLSConfig(opts.CertFile, opts.KeyFile, opts.ClientCAFile)
+	cs, err := newCerts(opts.CertFile, opts.KeyFile, opts.ClientCAFile, opts.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("management API: %w", err)
 	}
+	// Every handshake takes the configuration of the files as they are
+	// (a renewed certificate needs no restart).
+	tc := &tls.Config{MinVersion: tls.VersionTLS13, GetConfigForClient: cs.config}
 	s := &Server{clients: map[string][]string{}, log: opts.Logger, done: make(chan struct{}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "rblkd", Name: "manage_requests_total",
 			Help: "Requests on the remote management API, by method and gRPC code."}, []string{"method", "code"})}

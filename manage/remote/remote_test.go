@@ -252,7 +252,7 @@ func TestNoValidCertificate(t *testing.T) {
 		t.Fatal(err)
 	}
 	noCert := good.Clone()
-	noCert.Certificates = nil
+	noCert.Certificates, noCert.GetClientCertificate = nil, nil
 	foreign, err := remote.ClientTLS(foreignCert, foreignKey, caFile, "localhost")
 	if err != nil {
 		t.Fatal(err)
