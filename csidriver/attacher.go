@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/rblk/rblk/initiator/kernel"
+	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/internal/safeopen"
 )
 
@@ -34,6 +35,13 @@ type Attacher interface {
 	Detach(ctx context.Context, id string) error
 	// Device returns volume id's device while it is attached and works.
 	Device(id string) (device string, ok bool)
+}
+
+// Conditioner is an Attacher that also tells what is wrong with an
+// attach that runs: a reason ("" when nothing is) and a message for
+// NodeGetVolumeHealth.
+type Conditioner interface {
+	Condition(id string) (reason, message string)
 }
 
 // RBLKAttacher attaches volumes with rblk-attach --device, one process
@@ -119,6 +127,31 @@ func (a *RBLKAttacher) Device(id string) (string, bool) {
 		return "", false
 	}
 	return r.Device, true
+}
+
+// Condition implements Conditioner from the status file of volume id's
+// rblk-attach (its --state-dir is StateDir): "Reconnecting" while the
+// target is unreachable (IO waits), "Failed" once the session is lost for
+// good (the process is exiting).
+func (a *RBLKAttacher) Condition(id string) (reason, message string) {
+	r, ok := a.read(id)
+	if !ok || !r.alive() {
+		return "", ""
+	}
+	es, _ := attachstate.List(a.StateDir)
+	for _, e := range es {
+		if e.PID != r.PID {
+			continue
+		}
+		switch e.State {
+		case attachstate.Reconnecting:
+			return "Reconnecting", fmt.Sprintf("the target %s is unreachable since %s (%d reconnects so far): IO on %s waits for it",
+				e.Target, e.Since.UTC().Format(time.RFC3339), e.Reconnects, r.Device)
+		case attachstate.Failed:
+			return "Failed", fmt.Sprintf("the session with the target %s is lost (since %s): IO on %s fails", e.Target, e.Since.UTC().Format(time.RFC3339), r.Device)
+		}
+	}
+	return "", ""
 }
 
 // attachedRE finds the device in rblk-attach's "attached" log line.

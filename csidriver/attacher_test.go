@@ -17,6 +17,12 @@ func fakeAttach(t *testing.T, fail bool) string {
 	t.Helper()
 	body := `#!/bin/sh
 echo "$@" >"$(dirname "$0")/args"
+# The status file, in a state read from the file "state" beside it.
+state=up
+[ -f "$(dirname "$0")/state" ] && state=$(cat "$(dirname "$0")/state")
+while [ $# -gt 0 ]; do [ "$1" = --state-dir ] && dir=$2; shift; done
+ticks=$(awk '{print $22}' /proc/$$/stat)
+printf '{"pid":%d,"device":"/dev/null","export":"p:v","target":"192.0.2.10:7480","state":"%s","reconnects":3,"since":"2026-11-27T10:00:00Z","start_ticks":%s}' $$ "$state" "$ticks" >"$dir/$$.json"
 echo '{"level":"info","msg":"volume opened"}' >&2
 echo '{"level":"info","msg":"attached","device":"/dev/null","export":"p:v"}' >&2
 trap 'exit 0' TERM
@@ -106,5 +112,36 @@ func TestCheckAttachArgs(t *testing.T) {
 		if err := CheckAttachArgs(bad); err == nil {
 			t.Errorf("%q: no error", bad)
 		}
+	}
+}
+
+// Condition tells a reconnecting or failed attach from its rblk-attach's
+// status file, and says nothing of one that is up.
+func TestRBLKAttacherCondition(t *testing.T) {
+	bin := fakeAttach(t, false)
+	ctx := context.Background()
+	volCtx := map[string]string{CtxAddress: "192.0.2.10:7480", CtxExport: "p:v"}
+	for _, c := range []struct{ state, reason, says string }{
+		{"up", "", ""},
+		{"reconnecting", "Reconnecting", "the target 192.0.2.10:7480 is unreachable since 2026-11-27T10:00:00Z (3 reconnects so far)"},
+		{"failed", "Failed", "the session with the target 192.0.2.10:7480 is lost"},
+	} {
+		if err := os.WriteFile(filepath.Join(filepath.Dir(bin), "state"), []byte(c.state), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		a := &RBLKAttacher{Bin: bin, HostID: "n1", StateDir: filepath.Join(t.TempDir(), "state")}
+		if _, err := a.Attach(ctx, "t/p/v", volCtx); err != nil {
+			t.Fatal(err)
+		}
+		// (The stand-in wrote its status file before its "attached" line.)
+		reason, msg := a.Condition("t/p/v")
+		if reason != c.reason || !strings.Contains(msg, c.says) {
+			t.Errorf("state %s: condition %q, %q; want %q, %q", c.state, reason, msg, c.reason, c.says)
+		}
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		if err := a.Detach(dctx, "t/p/v"); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
 	}
 }

@@ -308,7 +308,9 @@ func (n *Node) NodeGetVolumeStats(_ context.Context, req *csi.NodeGetVolumeStats
 
 // NodeGetVolumeHealth reports a volume whose attach is not running, or
 // whose device is gone, as INACCESSIBLE (what CSI 1.13 has in place of
-// the volume condition of NodeGetVolumeStats).
+// the volume condition of NodeGetVolumeStats); so is one whose attach
+// waits for its target (Reconnecting) or lost it (Failed), with what its
+// Attacher, a Conditioner, says.
 func (n *Node) NodeGetVolumeHealth(_ context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if req.VolumeId == "" {
 		return nil, status.Error(codes.InvalidArgument, "no volume ID")
@@ -320,6 +322,10 @@ func (n *Node) NodeGetVolumeHealth(_ context.Context, req *csi.NodeGetVolumeHeal
 	if _, ok := n.Attacher.Device(req.VolumeId); !ok {
 		h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NotAttached",
 			Message: "the volume's rblk-attach is not running on this node, or its device is gone"}}
+	} else if c, ok := n.Attacher.(Conditioner); ok {
+		if reason, msg := c.Condition(req.VolumeId); reason != "" {
+			h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: msg}}
+		}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
 }

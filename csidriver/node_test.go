@@ -267,3 +267,33 @@ func TestNodeBlock(t *testing.T) {
 		t.Fatal("still attached after unstage")
 	}
 }
+
+// conditionAttacher is attached, with the condition it is given.
+type conditionAttacher struct{ reason, msg string }
+
+func (c conditionAttacher) Attach(context.Context, string, map[string]string) (string, error) {
+	return "/dev/null", nil
+}
+func (c conditionAttacher) Detach(context.Context, string) error { return nil }
+func (c conditionAttacher) Device(string) (string, bool)         { return "/dev/null", true }
+func (c conditionAttacher) Condition(string) (string, string)    { return c.reason, c.msg }
+
+// NodeGetVolumeHealth passes on what a Conditioner says of an attach that
+// runs, as INACCESSIBLE, and nothing when it says nothing.
+func TestNodeVolumeHealthCondition(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []conditionAttacher{{}, {"Reconnecting", "the target is unreachable"}} {
+		n := &Node{HostID: "n1", Attacher: c}
+		h, err := n.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "t/p/v"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := h.VolumeHealth.HealthStatuses
+		switch {
+		case c.reason == "" && len(got) != 0:
+			t.Errorf("no condition: %v", got)
+		case c.reason != "" && (len(got) != 1 || got[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || got[0].Reason != c.reason || got[0].Message != c.msg):
+			t.Errorf("condition %q: %v", c.reason, got)
+		}
+	}
+}

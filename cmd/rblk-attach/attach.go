@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/auth"
-	"github.com/rblk/rblk/cmd/internal/attachstate"
+	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"

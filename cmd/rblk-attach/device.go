@@ -12,7 +12,7 @@ import (
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
-	"github.com/rblk/rblk/cmd/internal/attachstate"
+	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rblk/rblk/cmd/internal/attachstate"
+	"github.com/rblk/rblk/internal/attachstate"
 )
 
 func TestParseBackend(t *testing.T) {
