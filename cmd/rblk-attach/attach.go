@@ -14,12 +14,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/auth"
-	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
 	"github.com/rblk/rblk/initiator/ublk"
+	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/transport/providers"
 )

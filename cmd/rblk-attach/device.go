@@ -12,11 +12,11 @@ import (
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
-	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/initiator/nbd"
 	"github.com/rblk/rblk/initiator/ublk"
+	"github.com/rblk/rblk/internal/attachstate"
 )
 
 // deviceFlags are the flags of attach --device (the kernel's /dev/nbdN).

@@ -16,10 +16,10 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
-	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/ublk"
+	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/protocol"
 )
 
