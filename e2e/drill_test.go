@@ -37,14 +37,8 @@ func TestNodeFailureDrill(t *testing.T) {
 	tg, ctrl, dir := csiTarget(t, authFile)
 	ctx, cancel := context.WithTimeout(context.Background(), cmdTimeout)
 	defer cancel()
-	capability := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
-	cr, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-drill", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
-		VolumeCapabilities: []*csi.VolumeCapability{capability}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	vol := cr.Volume
+	capability := blockCapability()
+	vol := createVolume(ctx, t, ctrl, "pvc-drill", capability)
 	export := vol.VolumeContext[csidriver.CtxExport]
 	publish := func(node string) error {
 		_, err := ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.VolumeId, NodeId: node, VolumeCapability: capability})
@@ -97,16 +91,39 @@ func TestNodeFailureDrill(t *testing.T) {
 	qemuIO(t, b.uri(""), []qop{{kind: 'r', off: 0, n: 4 << 20, pattern: 0xbb}})
 	b.stop(t, stopTimeout)
 	tg.stop(t, stopTimeout)
-	file, err := os.ReadFile(filepath.Join(dir, "fast", "pvc-drill.img"))
+	onlyB(t, filepath.Join(dir, "fast", "pvc-drill.img"))
+}
+
+// blockCapability is a single-node writer's block volume.
+func blockCapability() *csi.VolumeCapability {
+	return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+}
+
+// createVolume creates a 64 MiB volume name with capability through ctrl.
+func createVolume(ctx context.Context, t *testing.T, ctrl *csidriver.Controller, name string, capability *csi.VolumeCapability) *csi.Volume {
+	t.Helper()
+	cr, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{capability}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(file[:4<<20], bytes.Repeat([]byte{0xbb}, 4<<20)) {
+	return cr.Volume
+}
+
+// onlyB fails t unless the first 4 MiB of file are node B's 0xbb.
+func onlyB(t *testing.T, file string) {
+	t.Helper()
+	b, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(b[:4<<20], bytes.Repeat([]byte{0xbb}, 4<<20)) {
 		i := 0
-		for file[i] == 0xbb {
+		for b[i] == 0xbb {
 			i++
 		}
-		t.Fatalf("the file holds %#x at %d: not node B's bytes alone (a write of node A's landed after its fence?)", file[i], i)
+		t.Fatalf("the file holds %#x at %d: not node B's bytes alone (a write of node A's landed after its fence?)", b[i], i)
 	}
 }
 

@@ -46,12 +46,7 @@ func TestNodePluginRestart(t *testing.T) {
 
 	mount := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
-	cr, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-restart", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
-		VolumeCapabilities: []*csi.VolumeCapability{mount}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	vol := cr.Volume
+	vol := createVolume(ctx, t, ctrl, "pvc-restart", mount)
 	pr, err := ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.VolumeId, NodeId: "host-a", VolumeCapability: mount})
 	if err != nil {
 		t.Fatal(err)

@@ -119,18 +119,7 @@ func encodeConnect(c connectConfig) ([]byte, error) {
 	if c.Backend != "" {
 		ae.String(nbdAttrBackendIdentifier, c.Backend)
 	}
-	ae.Nested(nbdAttrSockets, func(nae *netlink.AttributeEncoder) error {
-		for _, fd := range c.FDs {
-			if fd < 0 || fd > math.MaxInt32 {
-				return fmt.Errorf("bad socket descriptor %d", fd)
-			}
-			nae.Nested(nbdSockItem, func(s *netlink.AttributeEncoder) error {
-				s.Uint32(nbdSockFD, uint32(fd))
-				return nil
-			})
-		}
-		return nil
-	})
+	encodeSockets(ae, c.FDs)
 	return ae.Encode()
 }
 
@@ -278,8 +267,14 @@ func encodeAdopt(c adoptConfig) ([]byte, error) {
 	if c.Backend != "" {
 		ae.String(nbdAttrBackendIdentifier, c.Backend)
 	}
+	encodeSockets(ae, c.FDs)
+	return ae.Encode()
+}
+
+// encodeSockets adds NBD_ATTR_SOCKETS with the descriptors fds.
+func encodeSockets(ae *netlink.AttributeEncoder, fds []int) {
 	ae.Nested(nbdAttrSockets, func(nae *netlink.AttributeEncoder) error {
-		for _, fd := range c.FDs {
+		for _, fd := range fds {
 			if fd < 0 || fd > math.MaxInt32 {
 				return fmt.Errorf("bad socket descriptor %d", fd)
 			}
@@ -290,5 +285,4 @@ func encodeAdopt(c adoptConfig) ([]byte, error) {
 		}
 		return nil
 	})
-	return ae.Encode()
 }
