@@ -19,6 +19,8 @@ type Metrics struct {
 	errors         *prometheus.CounterVec
 	sessions       prometheus.Gauge
 	reconnects     prometheus.Counter
+	fastFailing    prometheus.Gauge
+	fastFailed     prometheus.Counter // errors{op="fast_fail"}
 	resizes        prometheus.Counter // see resize.go
 
 	// The children of the IO path's vectors, resolved once: index 0 for
@@ -66,6 +68,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Failed operations, by kind."}, []string{"op"}),
 		sessions:   prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "reconnects_total", Help: "Connections to the target made again after one was lost."}),
+		fastFailing: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fast_failing",
+			Help: "1 while IO fails at once because the target has been unreachable for longer than --fast-fail-timeout (reconnecting goes on), else 0."}),
 	}
 	for i, op := range [2]string{"read", "write"} {
 		m.ioOps[i] = m.rdmaOps.WithLabelValues(op)
@@ -74,15 +78,16 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	// The series of every kind exist from the start, at 0, so that rates
 	// and alerts over them work before the first error.
-	for _, op := range []string{"read", "write", "grant", "flush", "trim", "write_zeroes", "lost_writes", "protocol"} {
+	for _, op := range []string{"read", "write", "grant", "flush", "trim", "write_zeroes", "lost_writes", "protocol", "fast_fail"} {
 		m.errors.WithLabelValues(op)
 	}
+	m.fastFailed = m.errors.WithLabelValues("fast_fail")
 	for _, op := range []string{"flush", "fua", "trim", "write_zeroes"} {
 		m.controlSeconds.WithLabelValues(op)
 	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
-			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects)
+			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects, m.fastFailing)
 	}
 	m.registerResize(reg)
 	return m

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -50,6 +51,14 @@ func (v *Volume) supervise(set *queueSet) {
 			}
 		}
 		v.log.Warn("connection to the target lost", zap.String("target", v.opts.Target), zap.Error(linkErr))
+		v.mu.Lock()
+		v.downs++
+		gen := v.downs
+		v.mu.Unlock()
+		var fastFail *time.Timer
+		if v.opts.FastFailTimeout > 0 && v.opts.ReconnectTimeout >= 0 {
+			fastFail = time.AfterFunc(v.opts.FastFailTimeout, func() { v.startFastFail(gen) })
+		}
 		onLink(false)
 		set.teardown()
 		// Writes are counted while their operation holds its session:
@@ -64,6 +73,9 @@ func (v *Volume) supervise(set *queueSet) {
 			return
 		}
 		ns, err := v.reconnect()
+		if fastFail != nil {
+			fastFail.Stop()
+		}
 		if err != nil {
 			v.fail(err)
 			return
@@ -74,7 +86,15 @@ func (v *Volume) supervise(set *queueSet) {
 		// restart) may have lost what was not flushed. Without a host ID
 		// the old session may outlive the reconnect, so no such promise.
 		sameTarget := ns.qs[0].info.Instance == s.info.Instance && v.opts.HostID != ""
+		if unflushed && !sameTarget && v.opts.FailOnLostWrites {
+			ns.teardown()
+			v.m.errors.WithLabelValues("lost_writes").Inc()
+			v.fail(fmt.Errorf("%w: %w: %s is another instance of the target now", syscall.EIO, ErrLostWrites, v.opts.Target))
+			return
+		}
 		v.mu.Lock()
+		v.fastFailing = false
+		v.m.fastFailing.Set(0)
 		if unflushed && !sameTarget {
 			v.lost = true
 		}
@@ -186,6 +206,22 @@ func (v *Volume) reconnect() (*queueSet, error) {
 	}
 }
 
+// startFastFail makes IO fail at once (waitUp), if the volume is still
+// reconnecting after the connection loss gen.
+func (v *Volume) startFastFail(gen uint64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if gen != v.downs || v.set != nil || v.failed != nil {
+		return // back already, or lost again since (another timer), or ended
+	}
+	v.fastFailing = true
+	v.m.fastFailing.Set(1)
+	close(v.changed) // (what waits in waitUp fails now)
+	v.changed = make(chan struct{})
+	v.log.Warn("the target is still unreachable: IO fails until it is back (reconnecting goes on)",
+		zap.String("target", v.opts.Target), zap.Duration("fast_fail_timeout", v.opts.FastFailTimeout))
+}
+
 // fail ends the volume: IO fails from now on.
 func (v *Volume) fail(err error) {
 	v.mu.Lock()
@@ -249,6 +285,10 @@ func (v *Volume) waitUp(ctx context.Context, take func() bool) error {
 		}
 		if take() {
 			return nil
+		}
+		if v.fastFailing {
+			v.m.fastFailed.Inc()
+			return fmt.Errorf("%w: %w: %s, for more than %v", syscall.EIO, ErrUnavailable, v.opts.Target, v.opts.FastFailTimeout)
 		}
 		ch := v.changed
 		v.mu.Unlock()

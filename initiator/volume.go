@@ -85,6 +85,22 @@ type Options struct {
 	// the connection to the target is lost, while IO waits. Zero means
 	// DefaultReconnectTimeout; negative means no reconnection.
 	ReconnectTimeout time.Duration
+	// FastFailTimeout, if positive, is how long IO waits for the target
+	// once the connection is lost: after it, IO that waits and IO that
+	// comes fail with EIO (ErrUnavailable) at once, while the volume goes
+	// on reconnecting (for ReconnectTimeout); once it is back, IO is
+	// served again. As NVMe's fast_io_fail_tmo: a mirror above (md RAID1)
+	// fails the member within it instead of stalling its application, and
+	// can re-add it later. Zero: IO waits as long as the volume
+	// reconnects.
+	FastFailTimeout time.Duration
+	// FailOnLostWrites: when the volume reconnects to another instance of
+	// the target (it restarted) while writes acknowledged since the last
+	// flush may not have reached its file, the volume fails for good
+	// (ErrLostWrites) instead of reporting it at the next flush: a mirror
+	// member that may have lost writes is taken out and resynced, never
+	// rejoins as if whole.
+	FailOnLostWrites bool
 	// KeepAlive is how long the link may stay silent before it is taken
 	// down and the reconnect path runs. Zero means DefaultKeepAlive;
 	// negative disables it.
@@ -143,6 +159,9 @@ type Volume struct {
 	flushedAt uint64        // writes covered by the last successful flush (mu)
 	lost      bool          // writes may have been lost with a session (mu)
 
+	downs       uint64 // connections lost so far (mu): a fast-fail timer's generation
+	fastFailing bool   // IO fails at once while the target is away (mu)
+
 	stop      chan struct{}
 	superDone chan struct{}
 	closeOnce sync.Once
@@ -173,6 +192,11 @@ func (e errHeld) Unwrap() error { return e.error }
 // writes acknowledged since the previous flush may not have reached the
 // backing file.
 var ErrLostWrites = errors.New("writes since the last flush may have been lost with the connection to the target")
+
+// ErrUnavailable is why IO fails while the target has been unreachable
+// for longer than Options.FastFailTimeout (the volume goes on
+// reconnecting).
+var ErrUnavailable = errors.New("the target is unreachable")
 
 // Open connects to the target, opens the export and sets up the IO buffers.
 func Open(ctx context.Context, opts Options) (*Volume, error) {
