@@ -400,3 +400,31 @@ func (a *RBLKAttacher) Detach(ctx context.Context, id string) error {
 	os.Remove(strings.TrimSuffix(a.recordPath(id), ".json") + ".log")
 	return nil
 }
+
+// Leg is one copy of a mirror, attached by A as volume ID with VolCtx: a
+// mirror.Leg (package mirror) for rblk-mirror and the node plugin.
+type Leg struct {
+	A      *RBLKAttacher
+	ID     string
+	VolCtx map[string]string
+}
+
+// Device is the copy's device while its rblk-attach runs; serving is
+// false while it waits for its target (it reconnects, or failed).
+func (l *Leg) Device() (dev string, serving bool) {
+	dev, ok := l.A.Device(l.ID)
+	if !ok {
+		return "", false
+	}
+	reason, _ := l.A.Condition(l.ID)
+	return dev, reason == ""
+}
+
+// Reattach attaches the copy again after its rblk-attach ended (its
+// record, and a device it left attached, are cleaned up first).
+func (l *Leg) Reattach(ctx context.Context) (string, error) {
+	if err := l.A.Detach(ctx, l.ID); err != nil {
+		return "", err
+	}
+	return l.A.Attach(ctx, l.ID, l.VolCtx)
+}
