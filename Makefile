@@ -24,7 +24,7 @@ TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/
 all: build
 
 help:
-	@echo "make build       bin/rblkd and bin/rblk-attach (with the verbs provider when rdma-core headers exist)"
+	@echo "make build       bin/rblkd, bin/rblk-attach and bin/rblk-mirror (with the verbs provider when rdma-core headers exist)"
 	@echo "make test        scripts/test.sh: installs tools, runs every check (what CI runs)"
 	@echo "make unit        go test -race ./... (but e2e)"
 	@echo "make e2e         the end-to-end tests of e2e/ (no skipping: RBLK_E2E_REQUIRE=1)"
@@ -40,13 +40,14 @@ help:
 	@echo "make clean       remove bin/"
 
 build:
-	$(GO) build -tags '$(TAGS)' -o bin/ ./cmd/rblkd ./cmd/rblk-attach
+	$(GO) build -tags '$(TAGS)' -o bin/ ./cmd/rblkd ./cmd/rblk-attach ./cmd/rblk-mirror
 
 # The man pages and completions, from the commands themselves.
 docs: build
 	rm -rf bin/docs
 	bin/rblkd gen-docs bin/docs
 	bin/rblk-attach gen-docs bin/docs
+	bin/rblk-mirror gen-docs bin/docs
 
 test:
 	bash scripts/test.sh
@@ -82,18 +83,18 @@ quickstart:
 install: build docs
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(CONFDIR) $(DESTDIR)$(MANDIR)/man1 \
 		$(DESTDIR)$(BASHCOMPDIR) $(DESTDIR)$(ZSHCOMPDIR) $(DESTDIR)$(FISHCOMPDIR) $(DESTDIR)$(UDEVDIR)
-	install -m 0755 bin/rblkd bin/rblk-attach $(DESTDIR)$(BINDIR)/
-	install -m 0644 systemd/rblkd.service systemd/rblk-attach@.service $(DESTDIR)$(UNITDIR)/
+	install -m 0755 bin/rblkd bin/rblk-attach bin/rblk-mirror $(DESTDIR)$(BINDIR)/
+	install -m 0644 systemd/rblkd.service systemd/rblk-attach@.service systemd/rblk-mirror@.service $(DESTDIR)$(UNITDIR)/
 	install -m 0644 bin/docs/man1/*.1 $(DESTDIR)$(MANDIR)/man1/
-	install -m 0644 bin/docs/bash-completion/rblkd bin/docs/bash-completion/rblk-attach $(DESTDIR)$(BASHCOMPDIR)/
-	install -m 0644 bin/docs/zsh/_rblkd bin/docs/zsh/_rblk-attach $(DESTDIR)$(ZSHCOMPDIR)/
-	install -m 0644 bin/docs/fish/rblkd.fish bin/docs/fish/rblk-attach.fish $(DESTDIR)$(FISHCOMPDIR)/
+	install -m 0644 bin/docs/bash-completion/rblkd bin/docs/bash-completion/rblk-attach bin/docs/bash-completion/rblk-mirror $(DESTDIR)$(BASHCOMPDIR)/
+	install -m 0644 bin/docs/zsh/_rblkd bin/docs/zsh/_rblk-attach bin/docs/zsh/_rblk-mirror $(DESTDIR)$(ZSHCOMPDIR)/
+	install -m 0644 bin/docs/fish/rblkd.fish bin/docs/fish/rblk-attach.fish bin/docs/fish/rblk-mirror.fish $(DESTDIR)$(FISHCOMPDIR)/
 	sed 's|/usr/local/bin/|$(BINDIR)/|g' systemd/99-rblk.rules > $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 	chmod 0644 $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 	@if [ -z "$(DESTDIR)" ] && command -v udevadm >/dev/null 2>&1 && [ -d /run/udev ]; then udevadm control --reload; fi
 	install -m 0644 systemd/rblkd.yaml.example $(DESTDIR)$(CONFDIR)/rblkd.yaml.example
 	@# Example settings: never overwrite a file the administrator edited.
-	@for f in rblkd.env attach-vol0.env; do \
+	@for f in rblkd.env attach-vol0.env mirror-vol0.env; do \
 		if [ -e $(DESTDIR)$(CONFDIR)/$$f ]; then echo "keeping $(DESTDIR)$(CONFDIR)/$$f"; \
 		else install -m 0644 systemd/$$f.example $(DESTDIR)$(CONFDIR)/$$f; echo "installed $(DESTDIR)$(CONFDIR)/$$f"; fi; \
 	done
@@ -106,13 +107,14 @@ install: build docs
 	@echo "Per volume: $(CONFDIR)/attach-NAME.env, then: systemctl enable --now rblk-attach@NAME"
 
 uninstall:
-	rm -f $(DESTDIR)$(BINDIR)/rblkd $(DESTDIR)$(BINDIR)/rblk-attach
-	rm -f $(DESTDIR)$(UNITDIR)/rblkd.service $(DESTDIR)$(UNITDIR)/rblk-attach@.service
+	rm -f $(DESTDIR)$(BINDIR)/rblkd $(DESTDIR)$(BINDIR)/rblk-attach $(DESTDIR)$(BINDIR)/rblk-mirror
+	rm -f $(DESTDIR)$(UNITDIR)/rblkd.service $(DESTDIR)$(UNITDIR)/rblk-attach@.service $(DESTDIR)$(UNITDIR)/rblk-mirror@.service
 	rm -f $(DESTDIR)$(MANDIR)/man1/rblkd.1 $(DESTDIR)$(MANDIR)/man1/rblkd-*.1 \
-		$(DESTDIR)$(MANDIR)/man1/rblk-attach.1 $(DESTDIR)$(MANDIR)/man1/rblk-attach-*.1
-	rm -f $(DESTDIR)$(BASHCOMPDIR)/rblkd $(DESTDIR)$(BASHCOMPDIR)/rblk-attach \
-		$(DESTDIR)$(ZSHCOMPDIR)/_rblkd $(DESTDIR)$(ZSHCOMPDIR)/_rblk-attach \
-		$(DESTDIR)$(FISHCOMPDIR)/rblkd.fish $(DESTDIR)$(FISHCOMPDIR)/rblk-attach.fish
+		$(DESTDIR)$(MANDIR)/man1/rblk-attach.1 $(DESTDIR)$(MANDIR)/man1/rblk-attach-*.1 \
+		$(DESTDIR)$(MANDIR)/man1/rblk-mirror.1 $(DESTDIR)$(MANDIR)/man1/rblk-mirror-*.1
+	rm -f $(DESTDIR)$(BASHCOMPDIR)/rblkd $(DESTDIR)$(BASHCOMPDIR)/rblk-attach $(DESTDIR)$(BASHCOMPDIR)/rblk-mirror \
+		$(DESTDIR)$(ZSHCOMPDIR)/_rblkd $(DESTDIR)$(ZSHCOMPDIR)/_rblk-attach $(DESTDIR)$(ZSHCOMPDIR)/_rblk-mirror \
+		$(DESTDIR)$(FISHCOMPDIR)/rblkd.fish $(DESTDIR)$(FISHCOMPDIR)/rblk-attach.fish $(DESTDIR)$(FISHCOMPDIR)/rblk-mirror.fish
 	rm -f $(DESTDIR)$(UDEVDIR)/99-rblk.rules
 
 clean:

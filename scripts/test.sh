@@ -83,9 +83,10 @@ setup() {
 	# slow disk of the fault tests), e2fsprogs, losetup and mount, a C
 	# toolchain for the race detector, and rdma-core's headers for the verbs
 	# provider (-tags rdma), protoc for the management API's generated code,
-	# xfsprogs for rblk-csi's node tests.
+	# xfsprogs for rblk-csi's node tests, mdadm for the mirror's (in the
+	# guest, which runs this machine's binaries).
 	ensure_packages qemu-utils libnbd-bin fio fuse3 nbdkit e2fsprogs util-linux mount gcc libc6-dev ca-certificates \
-		libibverbs-dev librdmacm-dev prometheus systemd protobuf-compiler xfsprogs
+		libibverbs-dev librdmacm-dev prometheus systemd protobuf-compiler xfsprogs mdadm
 	ensure_nbdfuse
 	ensure_go
 	if ! staticcheck -version >/dev/null 2>&1; then
@@ -151,7 +152,7 @@ alert_rules() {
 # units_check verifies systemd/'s units (scripts/verify-units.sh) against
 # freshly built binaries in bin/.
 units_check() {
-	go build -o bin/ ./cmd/rblkd ./cmd/rblk-attach && bash scripts/verify-units.sh
+	go build -o bin/ ./cmd/rblkd ./cmd/rblk-attach ./cmd/rblk-mirror && bash scripts/verify-units.sh
 }
 
 e2e_tests() {

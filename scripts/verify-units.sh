@@ -8,8 +8,8 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 command -v systemd-analyze >/dev/null || { echo "systemd-analyze is missing (apt-get install systemd)"; exit 1; }
-if [ ! -x bin/rblkd ] || [ ! -x bin/rblk-attach ]; then
-	echo "bin/rblkd and bin/rblk-attach are missing: make build"
+if [ ! -x bin/rblkd ] || [ ! -x bin/rblk-attach ] || [ ! -x bin/rblk-mirror ]; then
+	echo "bin/rblkd, bin/rblk-attach or bin/rblk-mirror is missing: make build"
 	exit 1
 fi
 

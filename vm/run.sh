@@ -56,7 +56,7 @@ PACKAGES=(
 	qemu-system-x86 linux-image-amd64 busybox-static
 	rdma-core ibverbs-utils ibverbs-providers libibverbs-dev librdmacm-dev
 	rdmacm-utils perftest nvme-cli fio jq kmod iproute2 util-linux coreutils
-	e2fsprogs curl xz-utils
+	e2fsprogs curl xz-utils mdadm
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -31,7 +31,7 @@ type upFlags struct {
 	name, transport, hostID, hostIDFile, secretFile string
 	stateDir, attachBin, logFormat                  string
 	legs                                            []string
-	fastFail, reconnect, every                      time.Duration
+	fastFail, reconnect, keepAlive, every           time.Duration
 	fresh, debug                                    bool
 }
 
@@ -70,6 +70,7 @@ both copies. rblk-mirror status shows the array.`,
 	fl.StringVar(&f.attachBin, "attach-bin", "rblk-attach", "the rblk-attach that attaches the copies")
 	fl.DurationVar(&f.fastFail, "fast-fail-timeout", 5*time.Second, "how long a copy's IO waits for its target before it fails (md then fails the member)")
 	fl.DurationVar(&f.reconnect, "reconnect-timeout", 24*time.Hour, "how long a copy's rblk-attach goes on reconnecting to its target")
+	fl.DurationVar(&f.keepAlive, "keepalive-timeout", 5*time.Second, "a copy's link to its target silent this long is lost (a target that hangs): its fast-fail time starts then")
 	fl.DurationVar(&f.every, "check-interval", time.Second, "how often the members are looked at")
 	fl.BoolVar(&f.fresh, "fresh", false, "the copies are new volumes of zeroes: create the array in sync instead of copying the first onto the second")
 	fl.StringVar(&f.logFormat, "log-format", "console", "console or json")
@@ -101,22 +102,28 @@ func up(f upFlags) error {
 	if f.fastFail <= 0 || f.fastFail >= f.reconnect {
 		return fmt.Errorf("--fast-fail-timeout %v: want more than 0 and less than --reconnect-timeout %v", f.fastFail, f.reconnect)
 	}
+	var parsed [][2]string // export, target: all checked before anything is attached
+	for _, s := range f.legs {
+		export, target, err := parseLeg(s)
+		if err != nil {
+			return err
+		}
+		parsed = append(parsed, [2]string{export, target})
+	}
 	host, err := cli.HostID(f.hostID, f.hostIDFile, log)
 	if err != nil {
 		return err
 	}
 	att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir,
 		AdoptTimeout: -1, // (a dead rblk-attach fails the member at once: md goes on with the other)
-		Args:         []string{"--fast-fail-timeout=" + f.fastFail.String(), "--reconnect-timeout=" + f.reconnect.String(), "--fail-on-lost-writes"}}
+		Args: []string{"--fast-fail-timeout=" + f.fastFail.String(), "--reconnect-timeout=" + f.reconnect.String(),
+			"--keepalive-timeout=" + f.keepAlive.String(), "--fail-on-lost-writes"}}
 	ctx, cancel := cli.SignalContext()
 	defer cancel()
 	var legs []mirror.Leg
 	var members []string
 	for i, s := range f.legs {
-		export, target, err := parseLeg(s)
-		if err != nil {
-			return err
-		}
+		export, target := parsed[i][0], parsed[i][1]
 		l := &csidriver.Leg{A: att, ID: fmt.Sprintf("mirror/%s/%d", f.name, i),
 			VolCtx: map[string]string{csidriver.CtxAddress: target, csidriver.CtxExport: export, csidriver.CtxTransport: f.transport}}
 		dev, err := att.Attach(ctx, l.ID, l.VolCtx)

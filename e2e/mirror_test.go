@@ -1,0 +1,186 @@
+package e2e
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	"github.com/rblk/rblk/csidriver"
+	"github.com/rblk/rblk/mirror"
+)
+
+// mirrorRig is an md RAID1 over two rblk devices (rblk-attach --device,
+// through csidriver's attacher and package mirror, as rblk-mirror and
+// the node plugin run them), each copy on a target of its own, with
+// package mirror's supervisor running.
+type mirrorRig struct {
+	t       *testing.T
+	tgs     [2]*target
+	exports [2][]string
+	o       mirror.Options
+	att     *csidriver.RBLKAttacher
+	legs    []mirror.Leg
+	stop    context.CancelFunc
+	done    chan struct{}
+}
+
+const mirrorFastFail = 2 * time.Second
+
+func startMirror(t *testing.T, name string) *mirrorRig {
+	t.Helper()
+	if e2e.device != "nbd" {
+		notApplicable(t, "the mirror is an md RAID1 over the kernel's /dev/nbdN (RBLK_E2E_DEVICE=nbd)")
+	}
+	needTools(t, "mdadm", "fio")
+	if out, err := exec.Command("modprobe", "raid1").CombinedOutput(); err != nil {
+		skipOrFail(t, "modprobe raid1: %v: %s", err, out)
+	}
+	dir := t.TempDir()
+	r := &mirrorRig{t: t, done: make(chan struct{})}
+	r.att = &csidriver.RBLKAttacher{Bin: attachBin, HostID: "host-mirror-" + name, StateDir: filepath.Join(dir, "state"), AdoptTimeout: -1,
+		Args: []string{"--fast-fail-timeout=" + mirrorFastFail.String(), "--reconnect-timeout=10m", "--keepalive-timeout=5s", "--fail-on-lost-writes"}}
+	ctx := context.Background()
+	var members []string
+	for i := range 2 {
+		r.exports[i] = []string{"vol=" + filepath.Join(dir, "copy"+string(rune('a'+i))+".img") + ",size=64M"}
+		r.tgs[i] = startTarget(t, r.exports[i])
+		l := &csidriver.Leg{A: r.att, ID: name + "/" + string(rune('a'+i)),
+			VolCtx: map[string]string{csidriver.CtxAddress: r.tgs[i].addr, csidriver.CtxExport: "vol", csidriver.CtxTransport: e2eTransport()}}
+		dev, err := r.att.Attach(ctx, l.ID, l.VolCtx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.legs, members = append(r.legs, l), append(members, dev)
+	}
+	r.o = mirror.Options{Name: name, Members: members, Fresh: true, Logger: zaptest.NewLogger(t)}
+	if _, err := mirror.Up(ctx, r.o); err != nil {
+		t.Fatal(err)
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	r.stop = cancel
+	go func() {
+		defer close(r.done)
+		mirror.Supervise(sctx, r.o, r.legs, 200*time.Millisecond)
+	}()
+	t.Cleanup(r.close)
+	return r
+}
+
+// close stops the supervisor and the array, and detaches the copies.
+func (r *mirrorRig) close() {
+	r.stop()
+	<-r.done
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := mirror.Down(ctx, r.o); err != nil {
+		r.t.Errorf("stop the array: %v", err)
+	}
+	for _, l := range r.legs {
+		r.att.Detach(ctx, l.(*csidriver.Leg).ID)
+	}
+}
+
+// waitState polls the array's state until cond holds, for up to timeout,
+// and returns how long that took.
+func (r *mirrorRig) waitState(timeout time.Duration, what string, cond func(*mirror.Status) bool) time.Duration {
+	r.t.Helper()
+	start := time.Now()
+	pollUntil(r.t, timeout, what, func() bool {
+		st, err := mirror.Stat(r.o)
+		return err == nil && cond(st)
+	})
+	return time.Since(start)
+}
+
+// check runs md's check of the whole array and returns mismatch_cnt.
+func (r *mirrorRig) check() uint64 {
+	r.t.Helper()
+	st, err := mirror.Stat(r.o)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	action := filepath.Join("/sys/block", filepath.Base(st.Device), "md", "sync_action")
+	if err := os.WriteFile(action, []byte("check\n"), 0o644); err != nil {
+		r.t.Fatal(err)
+	}
+	pollUntil(r.t, 5*time.Minute, "md's check to end", func() bool {
+		b, _ := os.ReadFile(action)
+		return strings.TrimSpace(string(b)) == "idle"
+	})
+	st, err = mirror.Stat(r.o)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return st.Mismatches
+}
+
+// TestMirrorTargetKilled: fio writes with crc32c in every block to an md
+// RAID1 over two rblk devices; one copy's rblkd is killed (SIGKILL). fio
+// sees no error and the array is degraded within the fast-fail time; the
+// rblkd is started again: the member comes back (from the bitmap, or in
+// full if it lost acknowledged writes with the killed rblkd) and is
+// resynced. md's check then finds no mismatch, and fio verifies every
+// block it wrote. The same with SIGSTOP of one rblkd past the fast-fail
+// time (the member comes back from the bitmap once it runs again). Then
+// both copies go away: IO fails with EIO, and nothing hangs.
+func TestMirrorTargetKilled(t *testing.T) {
+	t.Parallel()
+	r := startMirror(t, "e2e-mirror-kill")
+	job := []string{"--name=mirror", "--filename=" + r.o.Path(), "--size=32m", "--rw=randwrite", "--bs=4k", "--ioengine=libaio",
+		"--direct=1", "--iodepth=8", "--verify=crc32c", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}
+	written := func(i int) float64 {
+		v, _ := metricSum(scrapeQuiet(r.tgs[i].metrics), "rblkd_written_bytes_total")
+		return v
+	}
+
+	for _, fault := range []string{"SIGKILL", "SIGSTOP"} {
+		fio := startFio(t, append(job, "--rate_iops=300")...)
+		base := written(1)
+		pollUntil(t, 2*time.Minute, "fio's writes to reach the copies", func() bool { return fio.exited() || written(1) >= base+2<<20 })
+		p := r.tgs[1].cmd.Process
+		switch fault {
+		case "SIGKILL":
+			r.tgs[1].kill9(t)
+		case "SIGSTOP":
+			if err := p.Signal(syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.Signal(syscall.SIGCONT) })
+		}
+		degrade := r.waitState(time.Minute, "the array degraded", func(st *mirror.Status) bool { return st.Degraded == 1 })
+		switch fault {
+		case "SIGKILL":
+			r.tgs[1] = startTargetOn(t, r.tgs[1].addr, r.exports[1])
+		case "SIGSTOP":
+			if err := p.Signal(syscall.SIGCONT); err != nil {
+				t.Fatal(err)
+			}
+		}
+		resync := r.waitState(5*time.Minute, "the member back and resynced", func(st *mirror.Status) bool {
+			return st.Healthy() && len(st.Members) == 2
+		})
+		t.Logf("%s of one copy's rblkd under fio: the array degraded %v later (fast-fail time %v); the member was back in sync %v after its rblkd ran again",
+			fault, degrade.Round(100*time.Millisecond), mirrorFastFail, resync.Round(100*time.Millisecond))
+		fio.wait(t)
+		if n := r.check(); n != 0 {
+			t.Fatalf("after %s: md's check found %d mismatched sectors", fault, n)
+		}
+		checkFio(t, run(t, 4*time.Minute, "fio", append(append([]string{"--output-format=json"}, job...), "--verify_only")...))
+	}
+
+	// Both copies gone: IO fails, and nothing hangs.
+	r.tgs[0].kill9(t)
+	r.tgs[1].kill9(t)
+	res := run(t, 2*time.Minute, "fio", "--name=gone", "--filename="+r.o.Path(), "--size=1m", "--rw=write", "--bs=4k",
+		"--ioengine=libaio", "--direct=1", "--output-format=json")
+	if res.code == 0 && !strings.Contains(res.stdout+res.stderr, "error") {
+		t.Fatalf("writes with both copies gone did not fail: %s", res)
+	}
+}
