@@ -45,7 +45,7 @@ func startMirror(t *testing.T, name string) *mirrorRig {
 	dir := t.TempDir()
 	r := &mirrorRig{t: t, done: make(chan struct{})}
 	r.att = &csidriver.RBLKAttacher{Bin: attachBin, HostID: "host-mirror-" + name, StateDir: filepath.Join(dir, "state"), AdoptTimeout: -1,
-		Args: []string{"--fast-fail-timeout=" + mirrorFastFail.String(), "--reconnect-timeout=10m", "--keepalive-timeout=5s", "--fail-on-lost-writes"}}
+		Args: []string{"--fast-fail-timeout=" + mirrorFastFail.String(), "--reconnect-timeout=10m", "--keepalive-timeout=5s", "--restart-grace=60s", "--fail-on-lost-writes"}}
 	ctx := context.Background()
 	var members []string
 	for i := range 2 {
@@ -127,9 +127,10 @@ func (r *mirrorRig) check() uint64 {
 // rblkd is started again: the member comes back (from the bitmap, or in
 // full if it lost acknowledged writes with the killed rblkd) and is
 // resynced. md's check then finds no mismatch, and fio verifies every
-// block it wrote. The same with SIGSTOP of one rblkd past the fast-fail
-// time (the member comes back from the bitmap once it runs again). Then
-// both copies go away: IO fails with EIO, and nothing hangs.
+// block it wrote. The same with SIGSTOP of one rblkd past its keepalive
+// and the fast-fail time (the member comes back from the bitmap once it
+// runs again). A planned restart (SIGTERM) of one rblkd degrades nothing.
+// Then both copies go away: IO fails with EIO, and nothing hangs.
 func TestMirrorTargetKilled(t *testing.T) {
 	t.Parallel()
 	r := startMirror(t, "e2e-mirror-kill")
@@ -173,6 +174,40 @@ func TestMirrorTargetKilled(t *testing.T) {
 			t.Fatalf("after %s: md's check found %d mismatched sectors", fault, n)
 		}
 		checkFio(t, run(t, 4*time.Minute, "fio", append(append([]string{"--output-format=json"}, job...), "--verify_only")...))
+	}
+
+	// A planned restart (SIGTERM: rblkd drains its sessions first) under
+	// fio: the array never degrades.
+	fio := startFio(t, append(job, "--rate_iops=300")...)
+	base := written(1)
+	pollUntil(t, 2*time.Minute, "fio's writes to reach the copies", func() bool { return fio.exited() || written(1) >= base+2<<20 })
+	var maxDegraded int
+	sampled := make(chan struct{})
+	stopSampling := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			if st, err := mirror.Stat(r.o); err == nil {
+				maxDegraded = max(maxDegraded, st.Degraded)
+			}
+			select {
+			case <-stopSampling:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	r.tgs[1].stop(t, stopTimeout)
+	r.tgs[1] = startTargetOn(t, r.tgs[1].addr, r.exports[1])
+	pollUntil(t, 2*time.Minute, "fio's writes to reach the restarted copy", func() bool { return fio.exited() || written(1) >= 1<<20 })
+	close(stopSampling)
+	<-sampled
+	fio.wait(t)
+	if maxDegraded != 0 {
+		t.Fatalf("a planned restart of one copy's rblkd degraded the array (degraded %d)", maxDegraded)
+	}
+	if n := r.check(); n != 0 {
+		t.Fatalf("after a planned restart: md's check found %d mismatched sectors", n)
 	}
 
 	// Both copies gone: IO fails, and nothing hangs.

@@ -116,3 +116,36 @@ func TestFailOnLostWrites(t *testing.T) {
 		}
 	}
 }
+
+// TestRestartGrace: after a planned shutdown of the target (it drains the
+// volume: SIGTERM of rblkd), IO waits RestartGrace for it to come back,
+// not FastFailTimeout: a write issued while it is down outlives several
+// failed reconnection attempts, more than the fast-fail time, and
+// succeeds once the target is back.
+func TestRestartGrace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "vol.img")
+	r := startTargetAt(t, path, "127.0.0.1:0", 1<<20, 1<<20, 64<<10, false)
+	addr := r.addr
+	dials := &dialWatch{Provider: r.p}
+	v := r.openWith(initiator.Options{Provider: dials, ReconnectTimeout: time.Minute, FastFailTimeout: 50 * time.Millisecond,
+		RestartGrace: time.Minute})
+	if err := write(t, v, 0, []byte("before"), false); err != nil {
+		t.Fatal(err)
+	}
+	r.stop() // (a clean stop: the target drains the volume)
+	res := make(chan error, 1)
+	go func() { res <- write(t, v, 4096, []byte("during"), false) }()
+	// Backing off from 50 ms, 4 more failed attempts take 750 ms at least:
+	// well past the fast-fail time.
+	failed := dials.failed.Load()
+	waitFor(t, "4 failed reconnection attempts", func() bool { return dials.failed.Load() >= failed+4 })
+	select {
+	case err := <-res:
+		t.Fatalf("write during a planned restart ended before the target was back: %v", err)
+	default:
+	}
+	startTargetAt(t, path, addr, 1<<20, 1<<20, 64<<10, false)
+	if err := <-res; err != nil {
+		t.Fatalf("write across a planned restart: %v", err)
+	}
+}

@@ -103,6 +103,16 @@ func (set *queueSet) down(stop <-chan struct{}) <-chan struct{} {
 	return ch
 }
 
+// drainStarted reports whether the target announced its shutdown.
+func (set *queueSet) drainStarted() bool {
+	select {
+	case <-set.draining:
+		return true
+	default:
+		return false
+	}
+}
+
 // teardown closes every queue's connection and waits for their
 // goroutines; once a drain has started, it waits for it first.
 func (set *queueSet) teardown() {

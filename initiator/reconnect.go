@@ -57,7 +57,11 @@ func (v *Volume) supervise(set *queueSet) {
 		v.mu.Unlock()
 		var fastFail *time.Timer
 		if v.opts.FastFailTimeout > 0 && v.opts.ReconnectTimeout >= 0 {
-			fastFail = time.AfterFunc(v.opts.FastFailTimeout, func() { v.startFastFail(gen) })
+			wait := v.opts.FastFailTimeout
+			if set.drainStarted() && v.opts.RestartGrace > wait {
+				wait = v.opts.RestartGrace // (a planned restart)
+			}
+			fastFail = time.AfterFunc(wait, func() { v.startFastFail(gen, wait) })
 		}
 		onLink(false)
 		set.teardown()
@@ -208,7 +212,7 @@ func (v *Volume) reconnect() (*queueSet, error) {
 
 // startFastFail makes IO fail at once (waitUp), if the volume is still
 // reconnecting after the connection loss gen.
-func (v *Volume) startFastFail(gen uint64) {
+func (v *Volume) startFastFail(gen uint64, waited time.Duration) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if gen != v.downs || v.set != nil || v.failed != nil {
@@ -218,8 +222,9 @@ func (v *Volume) startFastFail(gen uint64) {
 	v.m.fastFailing.Set(1)
 	close(v.changed) // (what waits in waitUp fails now)
 	v.changed = make(chan struct{})
+	v.fastFailAfter = waited
 	v.log.Warn("the target is still unreachable: IO fails until it is back (reconnecting goes on)",
-		zap.String("target", v.opts.Target), zap.Duration("fast_fail_timeout", v.opts.FastFailTimeout))
+		zap.String("target", v.opts.Target), zap.Duration("waited", waited))
 }
 
 // fail ends the volume: IO fails from now on.
@@ -288,7 +293,7 @@ func (v *Volume) waitUp(ctx context.Context, take func() bool) error {
 		}
 		if v.fastFailing {
 			v.m.fastFailed.Inc()
-			return fmt.Errorf("%w: %w: %s, for more than %v", syscall.EIO, ErrUnavailable, v.opts.Target, v.opts.FastFailTimeout)
+			return fmt.Errorf("%w: %w: %s, for more than %v", syscall.EIO, ErrUnavailable, v.opts.Target, v.fastFailAfter)
 		}
 		ch := v.changed
 		v.mu.Unlock()

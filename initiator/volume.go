@@ -94,6 +94,12 @@ type Options struct {
 	// can re-add it later. Zero: IO waits as long as the volume
 	// reconnects.
 	FastFailTimeout time.Duration
+	// RestartGrace, if longer than FastFailTimeout, takes its place after
+	// a planned shutdown of the target (it drained this volume first: an
+	// rblkd restarted with SIGTERM): IO waits that long for it to come
+	// back before it fails fast, so that a planned restart degrades no
+	// mirror.
+	RestartGrace time.Duration
 	// FailOnLostWrites: when the volume reconnects to another instance of
 	// the target (it restarted) while writes acknowledged since the last
 	// flush may not have reached its file, the volume fails for good
@@ -159,8 +165,9 @@ type Volume struct {
 	flushedAt uint64        // writes covered by the last successful flush (mu)
 	lost      bool          // writes may have been lost with a session (mu)
 
-	downs       uint64 // connections lost so far (mu): a fast-fail timer's generation
-	fastFailing bool   // IO fails at once while the target is away (mu)
+	downs         uint64        // connections lost so far (mu): a fast-fail timer's generation
+	fastFailing   bool          // IO fails at once while the target is away (mu)
+	fastFailAfter time.Duration // how long IO waited before failing fast (mu)
 
 	stop      chan struct{}
 	superDone chan struct{}

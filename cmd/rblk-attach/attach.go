@@ -41,7 +41,7 @@ type attachFlags struct {
 	stateDir                                                 string
 	readOnly, debug, takeover, failOnLostWrites              bool
 	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
-	fastFailTimeout                                          time.Duration
+	fastFailTimeout, restartGrace                            time.Duration
 	queues                                                   int
 	dev                                                      deviceFlags // --device: see device.go
 
@@ -91,6 +91,8 @@ holder no longer answers (its host crashed or hangs) gets in without
 		"how long IO waits for the target to come back after the connection is lost (0: fail at once)")
 	fl.DurationVar(&f.fastFailTimeout, "fast-fail-timeout", 0,
 		"after the connection is lost, how long IO waits before it fails with EIO while rblk-attach goes on reconnecting for --reconnect-timeout; once the target is back IO is served again (0: IO waits as long as the reconnect; for a mirror member, a few seconds)")
+	fl.DurationVar(&f.restartGrace, "restart-grace", 0,
+		"with --fast-fail-timeout: after a planned shutdown of the target (it drained this attach: an rblkd restarted with SIGTERM), how long IO waits for it before it fails fast (0: --fast-fail-timeout), so that a planned restart degrades no mirror")
 	fl.BoolVar(&f.failOnLostWrites, "fail-on-lost-writes", false,
 		"when the target came back as another instance (a restart) and writes acknowledged since the last flush may be lost, fail every IO and detach, instead of failing the next flush once: a mirror takes the member out and resyncs it")
 	fl.StringVar(&f.hostID, "host-id", "", "this host's identity: a reconnect of this attach fences its earlier session; another attach of the export with it is refused while this one lives (default: read "+cli.DefaultHostIDFile+", created on first use)")
@@ -192,8 +194,8 @@ func attach(f attachFlags) error {
 	if f.queues < 0 || f.queues > maxQueues {
 		return fmt.Errorf("--queues %d: want 0 (automatic) to %d", f.queues, maxQueues)
 	}
-	if f.fastFailTimeout < 0 {
-		return errors.New("--fast-fail-timeout: want 0 (none) or more")
+	if f.fastFailTimeout < 0 || f.restartGrace < 0 {
+		return errors.New("--fast-fail-timeout and --restart-grace: want 0 (none) or more")
 	}
 	if f.fastFailTimeout > 0 && f.reconnectTimeout > 0 && f.fastFailTimeout >= f.reconnectTimeout {
 		return fmt.Errorf("--fast-fail-timeout %v is not shorter than --reconnect-timeout %v: it would never fail fast", f.fastFailTimeout, f.reconnectTimeout)
@@ -221,8 +223,9 @@ func attach(f attachFlags) error {
 	defer f.state.remove()
 	vol, err := initiator.Open(octx, initiator.Options{OnLink: f.state.onLink, Provider: p, Target: f.target, Export: f.export, HostID: hostID, Instance: instance, Queues: queues,
 		Secret: secret, Takeover: f.takeover, ReadOnly: f.readOnly, ReconnectTimeout: reconnectOpt(f.reconnectTimeout), KeepAlive: keepAlive,
-		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, FastFailTimeout: f.fastFailTimeout, FailOnLostWrites: f.failOnLostWrites,
-		Logger: log, Metrics: initiator.NewMetrics(reg),
+		IOTimeout: f.ioTimeout, FlushTimeout: f.flushTimeout, FastFailTimeout: f.fastFailTimeout, RestartGrace: f.restartGrace,
+		FailOnLostWrites: f.failOnLostWrites,
+		Logger:           log, Metrics: initiator.NewMetrics(reg),
 		OnResize: func(oldSize, newSize uint64) { grow.onResize(oldSize, newSize); f.state.resized(newSize) }})
 	ocancel()
 	if err != nil {

@@ -31,7 +31,7 @@ type upFlags struct {
 	name, transport, hostID, hostIDFile, secretFile string
 	stateDir, attachBin, logFormat                  string
 	legs                                            []string
-	fastFail, reconnect, keepAlive, every           time.Duration
+	fastFail, reconnect, keepAlive, grace, every    time.Duration
 	fresh, debug                                    bool
 }
 
@@ -71,6 +71,7 @@ both copies. rblk-mirror status shows the array.`,
 	fl.DurationVar(&f.fastFail, "fast-fail-timeout", 5*time.Second, "how long a copy's IO waits for its target before it fails (md then fails the member)")
 	fl.DurationVar(&f.reconnect, "reconnect-timeout", 24*time.Hour, "how long a copy's rblk-attach goes on reconnecting to its target")
 	fl.DurationVar(&f.keepAlive, "keepalive-timeout", 5*time.Second, "a copy's link to its target silent this long is lost (a target that hangs): its fast-fail time starts then")
+	fl.DurationVar(&f.grace, "restart-grace", 30*time.Second, "after a planned restart of a copy's target (rblkd stopped with SIGTERM), how long its IO waits for it before it fails fast: a planned restart degrades nothing")
 	fl.DurationVar(&f.every, "check-interval", time.Second, "how often the members are looked at")
 	fl.BoolVar(&f.fresh, "fresh", false, "the copies are new volumes of zeroes: create the array in sync instead of copying the first onto the second")
 	fl.StringVar(&f.logFormat, "log-format", "console", "console or json")
@@ -117,7 +118,7 @@ func up(f upFlags) error {
 	att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir,
 		AdoptTimeout: -1, // (a dead rblk-attach fails the member at once: md goes on with the other)
 		Args: []string{"--fast-fail-timeout=" + f.fastFail.String(), "--reconnect-timeout=" + f.reconnect.String(),
-			"--keepalive-timeout=" + f.keepAlive.String(), "--fail-on-lost-writes"}}
+			"--keepalive-timeout=" + f.keepAlive.String(), "--restart-grace=" + f.grace.String(), "--fail-on-lost-writes"}}
 	ctx, cancel := cli.SignalContext()
 	defer cancel()
 	var legs []mirror.Leg
