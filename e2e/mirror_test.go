@@ -218,4 +218,9 @@ func TestMirrorTargetKilled(t *testing.T) {
 	if res.code == 0 && !strings.Contains(res.stdout+res.stderr, "error") {
 		t.Fatalf("writes with both copies gone did not fail: %s", res)
 	}
+	// (Back, so that the copies detach without waiting out their
+	// reconnect.)
+	for i := range 2 {
+		r.tgs[i] = startTargetOn(t, r.tgs[i].addr, r.exports[i])
+	}
 }
