@@ -274,7 +274,11 @@ func TestFaultKill9(t *testing.T) {
 		checkFlushed(disk.readReal(t), fmt.Sprintf("round %d, after the restart", round), inflight)
 		t.Logf("round %d: %s: errno %d; %d writes acknowledged since the last OK flush, %d of them not on disk", round, first, errno, len(since), len(lost))
 		switch {
-		case len(since) == 0 && errno != 0:
+		case len(since) == 0 && errno != 0 && inflight == nil:
+			// (With a write in flight at the kill, rblk-attach may have
+			// acknowledged it before the kill, the reply unread here: it
+			// may be lost with the killed target, and the EIO says so.
+			// Its block is checked below.)
 			t.Errorf("round %d: %s failed with errno %d, but no write was acknowledged since the last OK flush: nothing was lost", round, first, errno)
 		case len(lost) > 0 && errno != nbdEIO:
 			t.Errorf("round %d: %s returned errno %d, want EIO (%d): %d acknowledged writes were lost, first block %d write %d",
