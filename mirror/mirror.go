@@ -89,7 +89,13 @@ func CheckName(name string) error {
 }
 
 // Path is /dev/md/NAME.
-func (o *Options) Path() string { return filepath.Join(o.devDir, "md", o.Name) }
+func (o *Options) Path() string {
+	dir := o.devDir
+	if dir == "" {
+		dir = "/dev"
+	}
+	return filepath.Join(dir, "md", o.Name)
+}
 
 // device is the array's /dev/mdN, if it is assembled.
 func (o *Options) device() (string, error) {

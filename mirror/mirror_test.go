@@ -118,6 +118,14 @@ func (f *fakeMD) called(prefix string) bool {
 	return slices.ContainsFunc(f.calls, func(c string) bool { return strings.HasPrefix(c, "mdadm "+prefix) })
 }
 
+// Path is /dev/md/NAME, also on Options whose defaults were not applied
+// (the caller's copy).
+func TestPath(t *testing.T) {
+	if p := (&Options{Name: "vol1"}).Path(); p != "/dev/md/vol1" {
+		t.Errorf("Path() = %q", p)
+	}
+}
+
 func TestCheckName(t *testing.T) {
 	for _, ok := range []string{"a", "pvc-1.b_2", strings.Repeat("x", 32)} {
 		if err := CheckName(ok); err != nil {
