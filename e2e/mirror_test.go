@@ -142,7 +142,7 @@ func TestMirrorTargetKilled(t *testing.T) {
 	}
 
 	for _, fault := range []string{"SIGKILL", "SIGSTOP"} {
-		fio := startFio(t, append(job, "--rate_iops=400")...)
+		fio := startFio(t, append(job, "--rate_iops=200")...)
 		base := written(1)
 		pollUntil(t, 2*time.Minute, "fio's writes to reach the copies", func() bool { return fio.exited() || written(1) >= base+1<<20 })
 		p := r.tgs[1].cmd.Process
@@ -180,7 +180,7 @@ func TestMirrorTargetKilled(t *testing.T) {
 
 	// A planned restart (SIGTERM: rblkd drains its sessions first) under
 	// fio: the array never degrades.
-	fio := startFio(t, append(job, "--rate_iops=400")...)
+	fio := startFio(t, append(job, "--rate_iops=200")...)
 	base := written(1)
 	pollUntil(t, 2*time.Minute, "fio's writes to reach the copies", func() bool { return fio.exited() || written(1) >= base+1<<20 })
 	var maxDegraded int
