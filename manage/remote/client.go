@@ -3,8 +3,6 @@ package remote
 import (
 	"crypto/tls"
 	"fmt"
-	"sync"
-	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -25,62 +23,15 @@ func ClientTLS(certFile, keyFile, caFile, serverName string) (*tls.Config, error
 	if err != nil {
 		return nil, fmt.Errorf("server CA: %w", err)
 	}
-	cc, err := newClientCert(certFile, keyFile)
+	cert, err := newReloading([]string{certFile, keyFile}, func() (*tls.Certificate, error) {
+		c, err := tls.LoadX509KeyPair(certFile, keyFile)
+		return &c, err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("client certificate: %w", err)
 	}
-	return &tls.Config{MinVersion: tls.VersionTLS13, GetClientCertificate: cc.get, RootCAs: cas, ServerName: serverName}, nil
-}
-
-// clientCert is a client's certificate, reloaded from its files when
-// they change.
-type clientCert struct {
-	certFile, keyFile string
-
-	mu      sync.Mutex
-	checked time.Time
-	stamps  [2]fileStamp
-	cert    *tls.Certificate
-}
-
-func newClientCert(certFile, keyFile string) (*clientCert, error) {
-	c := &clientCert{certFile: certFile, keyFile: keyFile}
-	stamps, err := c.stampAll()
-	if err != nil {
-		return nil, err
-	}
-	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
-	if err != nil {
-		return nil, err
-	}
-	c.cert, c.stamps, c.checked = &cert, stamps, time.Now()
-	return c, nil
-}
-
-func (c *clientCert) stampAll() ([2]fileStamp, error) {
-	var s [2]fileStamp
-	var err error
-	if s[0], err = stampOf(c.certFile); err != nil {
-		return s, err
-	}
-	s[1], err = stampOf(c.keyFile)
-	return s, err
-}
-
-// get is tls.Config.GetClientCertificate.
-func (c *clientCert) get(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if time.Since(c.checked) < CheckInterval {
-		return c.cert, nil
-	}
-	c.checked = time.Now()
-	if stamps, err := c.stampAll(); err == nil && stamps != c.stamps {
-		if cert, err := tls.LoadX509KeyPair(c.certFile, c.keyFile); err == nil {
-			c.cert, c.stamps = &cert, stamps
-		}
-	}
-	return c.cert, nil
+	return &tls.Config{MinVersion: tls.VersionTLS13, RootCAs: cas, ServerName: serverName,
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { return cert.get(), nil }}, nil
 }
 
 // Dial returns a client of the management API at addr (HOST:PORT), over

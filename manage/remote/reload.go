@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -37,76 +38,96 @@ func stampOf(path string) (fileStamp, error) {
 	return s, nil
 }
 
-// certs is the server's TLS configuration, made again from its files when
-// they change: a renewed certificate (or CA bundle) takes effect on the
-// next connection, without a restart. Files that do not load (half
-// written, a key that does not match the certificate) leave the last good
-// configuration in use, said once in the log, until they do.
-type certs struct {
-	certFile, keyFile, caFile string
-	log                       *zap.Logger
+// reloading is a value made from files, made again when they change: it
+// looks at them, at most once every CheckInterval, when the value is
+// asked for (a handshake). Files that do not load (half written, a key
+// that does not match its certificate) leave the last good value in use,
+// said once through failed, until they do.
+type reloading[T any] struct {
+	files    []string
+	load     func() (T, error)
+	reloaded func()      // (may be nil)
+	failed   func(error) // (may be nil)
 
 	mu      sync.Mutex
 	checked time.Time
-	stamps  [3]fileStamp
-	cfg     *tls.Config
+	stamps  []fileStamp
+	v       T
 	failing bool // the files changed and did not load
-	reloads int  // (for tests)
 }
 
-func newCerts(certFile, keyFile, caFile string, log *zap.Logger) (*certs, error) {
-	c := &certs{certFile: certFile, keyFile: keyFile, caFile: caFile, log: log}
-	stamps, err := c.stampAll()
+func newReloading[T any](files []string, load func() (T, error)) (*reloading[T], error) {
+	r := &reloading[T]{files: files, load: load}
+	stamps, err := r.stampAll()
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := load(certFile, keyFile, caFile)
-	if err != nil {
+	if r.v, err = load(); err != nil {
 		return nil, err
 	}
-	c.cfg, c.stamps, c.checked = cfg, stamps, time.Now()
-	return c, nil
+	r.stamps, r.checked = stamps, time.Now()
+	return r, nil
 }
 
-func (c *certs) stampAll() ([3]fileStamp, error) {
-	var s [3]fileStamp
-	for i, f := range []string{c.certFile, c.keyFile, c.caFile} {
+func (r *reloading[T]) stampAll() ([]fileStamp, error) {
+	s := make([]fileStamp, len(r.files))
+	for i, f := range r.files {
 		st, err := stampOf(f)
 		if err != nil {
-			return s, err
+			return nil, err
 		}
 		s[i] = st
 	}
 	return s, nil
 }
 
-// config is tls.Config.GetConfigForClient: the current configuration,
-// reloaded first if a file changed since the last look.
-func (c *certs) config(*tls.ClientHelloInfo) (*tls.Config, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if time.Since(c.checked) < CheckInterval {
-		return c.cfg, nil
+// get is the current value, made again first if a file changed since the
+// last look.
+func (r *reloading[T]) get() T {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if time.Since(r.checked) < CheckInterval {
+		return r.v
 	}
-	c.checked = time.Now()
-	stamps, err := c.stampAll()
-	if err == nil && stamps == c.stamps {
-		return c.cfg, nil
+	r.checked = time.Now()
+	stamps, err := r.stampAll()
+	if err == nil && slices.Equal(stamps, r.stamps) {
+		return r.v
 	}
 	if err == nil {
-		var cfg *tls.Config
-		if cfg, err = load(c.certFile, c.keyFile, c.caFile); err == nil {
-			c.cfg, c.stamps, c.failing = cfg, stamps, false
-			c.reloads++
-			c.log.Info("management API: certificates reloaded", zap.String("cert", c.certFile), zap.String("client_ca", c.caFile))
-			return c.cfg, nil
+		var v T
+		if v, err = r.load(); err == nil {
+			r.v, r.stamps, r.failing = v, stamps, false
+			if r.reloaded != nil {
+				r.reloaded()
+			}
+			return r.v
 		}
 	}
-	if !c.failing {
-		c.failing = true
-		c.log.Warn("management API: the changed certificate files do not load; serving with the previous ones", zap.Error(err))
+	if !r.failing {
+		r.failing = true
+		if r.failed != nil {
+			r.failed(err)
+		}
 	}
-	return c.cfg, nil
+	return r.v
+}
+
+// newCerts is the server's TLS configuration from its files, made again
+// when they change: a renewed certificate (or CA bundle) takes effect on
+// the next connection, without a restart.
+func newCerts(certFile, keyFile, caFile string, log *zap.Logger) (*reloading[*tls.Config], error) {
+	r, err := newReloading([]string{certFile, keyFile, caFile}, func() (*tls.Config, error) { return load(certFile, keyFile, caFile) })
+	if err != nil {
+		return nil, err
+	}
+	r.reloaded = func() {
+		log.Info("management API: certificates reloaded", zap.String("cert", certFile), zap.String("client_ca", caFile))
+	}
+	r.failed = func(err error) {
+		log.Warn("management API: the changed certificate files do not load; serving with the previous ones", zap.Error(err))
+	}
+	return r, nil
 }
 
 // load makes the server's TLS configuration from the files: TLS 1.3

@@ -100,7 +100,8 @@ func Listen(svc *manage.Service, opts Options) (*Server, error) {
 	}
 	// Every handshake takes the configuration of the files as they are
 	// (a renewed certificate needs no restart).
-	tc := &tls.Config{MinVersion: tls.VersionTLS13, GetConfigForClient: cs.config}
+	tc := &tls.Config{MinVersion: tls.VersionTLS13,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return cs.get(), nil }}
 	s := &Server{clients: map[string][]string{}, log: opts.Logger, done: make(chan struct{}),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "rblkd", Name: "manage_requests_total",
 			Help: "Requests on the remote management API, by method and gRPC code."}, []string{"method", "code"})}
