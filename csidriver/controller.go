@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"go.uber.org/zap"
@@ -34,6 +35,12 @@ const (
 	CtxAddress   = "rblk.io/address"
 	CtxTransport = "rblk.io/transport"
 	CtxExport    = "rblk.io/export"
+	// The second copy of a mirror (replicas: 2): its target, address,
+	// transport and export. The keys above name the first.
+	CtxMirrorTarget    = "rblk.io/mirror-target"
+	CtxMirrorAddress   = "rblk.io/mirror-address"
+	CtxMirrorTransport = "rblk.io/mirror-transport"
+	CtxMirrorExport    = "rblk.io/mirror-export"
 )
 
 // StorageClass parameters.
@@ -44,6 +51,10 @@ const (
 	// ParamShared "true": several nodes may write at once (block volumes
 	// of MULTI_NODE_MULTI_WRITER, for cluster file systems).
 	ParamShared = "shared"
+	// ParamReplicas is the number of copies: 1 (the default) or 2, a
+	// mirror: one copy on each of two targets in different topology
+	// segments, which the node assembles into an md RAID1.
+	ParamReplicas = "replicas"
 )
 
 // Controller is the CSI controller service.
@@ -135,39 +146,88 @@ func size(r *csi.CapacityRange) (int64, error) {
 	return n, nil
 }
 
-// found is a volume on a target.
-type found struct {
+// replica is a copy of a volume: the volume on a target.
+type replica struct {
 	t *target
 	v *managepb.Volume
 }
 
-func (f found) id() volumeID { return volumeID{Target: f.t.Name, Pool: f.v.Pool, Name: f.v.Name} }
+// found is a volume: its copies (one, or two for a mirror, in the order
+// of their targets' names).
+type found []replica
 
-// csiVolume is f as CSI reports it.
+func (f found) id() volumeID {
+	id := volumeID{Name: f[0].v.Name}
+	for _, r := range f {
+		id.Copies = append(id.Copies, copyID{Target: r.t.Name, Pool: r.v.Pool})
+	}
+	return id
+}
+
+// size is the volume's size: its smallest copy's.
+func (f found) size() int64 {
+	n := f[0].v.SizeBytes
+	for _, r := range f[1:] {
+		n = min(n, r.v.SizeBytes)
+	}
+	return n
+}
+
+// hosts are the nodes the volume is published to (on any copy).
+func (f found) hosts() []string {
+	var hs []string
+	for _, r := range f {
+		for _, h := range r.v.Hosts {
+			if !slices.Contains(hs, h) {
+				hs = append(hs, h)
+			}
+		}
+	}
+	return hs
+}
+
+// csiVolume is f as CSI reports it. A mirror is reachable from either
+// copy's topology segment.
 func (f found) csiVolume() *csi.Volume {
-	v := &csi.Volume{VolumeId: f.id().String(), CapacityBytes: f.v.SizeBytes,
-		VolumeContext: map[string]string{CtxTarget: f.t.Name, CtxAddress: f.t.Address, CtxTransport: f.t.Transport, CtxExport: f.v.Export}}
-	if len(f.v.Labels) > 0 {
-		v.AccessibleTopology = []*csi.Topology{{Segments: maps.Clone(f.v.Labels)}}
+	r := f[0]
+	v := &csi.Volume{VolumeId: f.id().String(), CapacityBytes: f.size(),
+		VolumeContext: map[string]string{CtxTarget: r.t.Name, CtxAddress: r.t.Address, CtxTransport: r.t.Transport, CtxExport: r.v.Export}}
+	if len(f) == 2 {
+		m := f[1]
+		maps.Copy(v.VolumeContext, map[string]string{CtxMirrorTarget: m.t.Name, CtxMirrorAddress: m.t.Address,
+			CtxMirrorTransport: m.t.Transport, CtxMirrorExport: m.v.Export})
+	}
+	for _, r := range f {
+		if len(r.v.Labels) == 0 {
+			continue
+		}
+		if !slices.ContainsFunc(v.AccessibleTopology, func(t *csi.Topology) bool { return maps.Equal(t.Segments, r.v.Labels) }) {
+			v.AccessibleTopology = append(v.AccessibleTopology, &csi.Topology{Segments: maps.Clone(r.v.Labels)})
+		}
 	}
 	return v
 }
 
-// lookup finds the volume of id (NotFound if there is none).
+// lookup finds the volume of id, every copy (NotFound if one is
+// missing).
 func (c *Controller) lookup(ctx context.Context, id string) (found, error) {
 	vid, err := parseVolumeID(id)
 	if err != nil {
-		return found{}, status.Errorf(codes.NotFound, "no volume %q: %v", id, err)
+		return nil, status.Errorf(codes.NotFound, "no volume %q: %v", id, err)
 	}
-	t := c.inv.targets[vid.Target]
-	if t == nil {
-		return found{}, status.Errorf(codes.NotFound, "volume %q: target %q is not in the inventory", id, vid.Target)
+	var f found
+	for _, cp := range vid.Copies {
+		t := c.inv.targets[cp.Target]
+		if t == nil {
+			return nil, status.Errorf(codes.NotFound, "volume %q: target %q is not in the inventory", id, cp.Target)
+		}
+		r, err := t.api.GetVolume(ctx, &managepb.GetVolumeRequest{Pool: cp.Pool, Name: vid.Name})
+		if err != nil {
+			return nil, fromTarget(t, "get volume "+id, err)
+		}
+		f = append(f, replica{t: t, v: r.Volume})
 	}
-	r, err := t.api.GetVolume(ctx, &managepb.GetVolumeRequest{Pool: vid.Pool, Name: vid.Name})
-	if err != nil {
-		return found{}, fromTarget(t, "get volume "+id, err)
-	}
-	return found{t: t, v: r.Volume}, nil
+	return f, nil
 }
 
 // fromTarget is a target's error as the controller's: its code, the
@@ -177,10 +237,11 @@ func fromTarget(t *target, what string, err error) error {
 	return status.Errorf(st.Code(), "%s on target %s: %s", what, t.Name, st.Message())
 }
 
-// findByName looks for volume name on every target (in pool, if not
-// empty). A target that does not answer fails it: the volume might be
-// there.
-func (c *Controller) findByName(ctx context.Context, name, pool string) (*found, error) {
+// findByName finds the copies of volume name on every target (in pool,
+// if not empty), in the order of the targets' names. A target that does
+// not answer fails it: a copy might be there.
+func (c *Controller) findByName(ctx context.Context, name, pool string) (found, error) {
+	var f found
 	for _, tn := range c.inv.names {
 		t := c.inv.targets[tn]
 		r, err := t.api.ListVolumes(ctx, &managepb.ListVolumesRequest{Pool: pool})
@@ -192,11 +253,11 @@ func (c *Controller) findByName(ctx context.Context, name, pool string) (*found,
 		}
 		for _, v := range r.Volumes {
 			if v.Name == name {
-				return &found{t: t, v: v}, nil
+				f = append(f, replica{t: t, v: v})
 			}
 		}
 	}
-	return nil, nil
+	return f, nil
 }
 
 // candidate is a pool a volume may be created in.
@@ -238,9 +299,22 @@ func allowed(labels map[string]string, req *csi.TopologyRequirement) (bool, int)
 	return ok, len(req.Preferred)
 }
 
-// place picks the pool for a volume of n bytes: one the topology and
-// the pool parameter allow, the first preferred, then the most room.
-func (c *Controller) place(ctx context.Context, n int64, poolName string, req *csi.TopologyRequirement) (*candidate, error) {
+// apart reports whether a copy in pool p of target t is in another
+// failure domain than every copy of f: on another target and, where
+// both pools carry topology labels, in another segment.
+func apart(t *target, p *managepb.Pool, f found) bool {
+	for _, r := range f {
+		if r.t == t || len(p.Labels) > 0 && len(r.v.Labels) > 0 && maps.Equal(p.Labels, r.v.Labels) {
+			return false
+		}
+	}
+	return true
+}
+
+// place picks the pool for a copy of n bytes: one the topology and the
+// pool parameter allow, apart from the copies in others; the first
+// preferred, then the one with the most room.
+func (c *Controller) place(ctx context.Context, n int64, poolName string, req *csi.TopologyRequirement, others found) (*candidate, error) {
 	var cands []candidate
 	var unreachable []string
 	for _, tn := range c.inv.names {
@@ -253,7 +327,7 @@ func (c *Controller) place(ctx context.Context, n int64, poolName string, req *c
 			continue
 		}
 		for _, p := range r.Pools {
-			if ok, rank := allowed(p.Labels, req); ok {
+			if ok, rank := allowed(p.Labels, req); ok && apart(t, p, others) {
 				cands = append(cands, candidate{t: t, p: p, preferred: rank})
 			}
 		}
@@ -270,10 +344,52 @@ func (c *Controller) place(ctx context.Context, n int64, poolName string, req *c
 		}
 	}
 	msg := fmt.Sprintf("no pool the topology and parameters allow has %d bytes available (%d pools allowed)", n, len(cands))
+	if len(others) > 0 {
+		msg = fmt.Sprintf("no pool for the second copy: none the topology and parameters allow, on another target and in another topology segment than %s, has %d bytes available (%d pools allowed)",
+			others[0].t.Name, n, len(cands))
+	}
 	if len(unreachable) > 0 {
 		msg += "; not reached: " + strings.Join(unreachable, "; ")
 	}
 	return nil, status.Error(codes.ResourceExhausted, msg)
+}
+
+// createParams are a CreateVolume's parameters.
+type createParams struct {
+	pool     string
+	shared   bool
+	replicas int
+}
+
+func parseParams(params map[string]string) (createParams, error) {
+	p := createParams{replicas: 1}
+	for k, v := range params {
+		switch k {
+		case ParamPool:
+			p.pool = v
+		case ParamShared:
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return p, status.Errorf(codes.InvalidArgument, "parameter %s: %q: want true or false", ParamShared, v)
+			}
+			p.shared = b
+		case ParamReplicas:
+			switch v {
+			case "1", "2":
+				p.replicas = int(v[0] - '0')
+			default:
+				return p, status.Errorf(codes.InvalidArgument, "parameter %s: %q: want 1 or 2", ParamReplicas, v)
+			}
+		default:
+			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
+				return p, status.Errorf(codes.InvalidArgument, "unknown parameter %q (want %s, %s or %s)", k, ParamPool, ParamShared, ParamReplicas)
+			}
+		}
+	}
+	if p.shared && p.replicas > 1 {
+		return p, status.Errorf(codes.InvalidArgument, "parameters %s: \"true\" and %s: 2: a mirror is one node's (md RAID1 is assembled on one node)", ParamShared, ParamReplicas)
+	}
+	return p, nil
 }
 
 func (c *Controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
@@ -283,55 +399,78 @@ func (c *Controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	if req.VolumeContentSource != nil {
 		return nil, status.Error(codes.InvalidArgument, "rblk-csi creates empty volumes only (no snapshot or clone source)")
 	}
-	poolName, shared := "", false
-	for k, v := range req.Parameters {
-		switch k {
-		case ParamPool:
-			poolName = v
-		case ParamShared:
-			b, err := strconv.ParseBool(v)
-			if err != nil {
-				return nil, status.Errorf(codes.InvalidArgument, "parameter %s: %q: want true or false", ParamShared, v)
-			}
-			shared = b
-		default:
-			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-				return nil, status.Errorf(codes.InvalidArgument, "unknown parameter %q (want %s or %s)", k, ParamPool, ParamShared)
-			}
-		}
-	}
-	if err := checkCapabilities(req.VolumeCapabilities, shared); err != nil {
+	p, err := parseParams(req.Parameters)
+	if err != nil {
 		return nil, err
+	}
+	if err := checkCapabilities(req.VolumeCapabilities, p.shared); err != nil {
+		return nil, err
+	}
+	if p.replicas > 1 {
+		if err := checkMirrorCapabilities(req.VolumeCapabilities); err != nil {
+			return nil, err
+		}
 	}
 	n, err := size(req.CapacityRange)
 	if err != nil {
 		return nil, err
 	}
 	name := volumeName(req.Name)
-	existing, err := c.findByName(ctx, name, poolName)
+	existing, err := c.findByName(ctx, name, p.pool)
 	if err != nil {
 		return nil, err
 	}
-	if existing != nil {
-		v := existing.v
-		if v.SizeBytes < req.CapacityRange.GetRequiredBytes() || (req.CapacityRange.GetLimitBytes() > 0 && v.SizeBytes > req.CapacityRange.GetLimitBytes()) || v.Shared != shared {
+	for _, r := range existing {
+		v := r.v
+		if len(existing) > p.replicas || len(existing) == 2 && existing[0].t == existing[1].t || v.SizeBytes < req.CapacityRange.GetRequiredBytes() ||
+			(req.CapacityRange.GetLimitBytes() > 0 && v.SizeBytes > req.CapacityRange.GetLimitBytes()) || v.Shared != p.shared {
 			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists as %s with %d bytes, shared %v: not what is asked", req.Name, existing.id(), v.SizeBytes, v.Shared)
 		}
-		return &csi.CreateVolumeResponse{Volume: existing.csiVolume()}, nil
 	}
-	cd, err := c.place(ctx, n, poolName, req.AccessibilityRequirements)
-	if err != nil {
+	created := found{}
+	for len(existing) < p.replicas {
+		// (A copy made by an earlier call that failed after it stays: the
+		// retry makes the one it lacks.)
+		cd, err := c.place(ctx, n, p.pool, req.AccessibilityRequirements, existing)
+		if err == nil {
+			var r *managepb.CreateVolumeResponse
+			if r, err = cd.t.api.CreateVolume(ctx, &managepb.CreateVolumeRequest{Pool: cd.p.Name, Name: name, SizeBytes: n, Shared: p.shared}); err == nil {
+				existing = append(existing, replica{t: cd.t, v: r.Volume})
+				created = append(created, replica{t: cd.t, v: r.Volume})
+				continue
+			}
+			err = fromTarget(cd.t, "create volume "+name, err)
+		}
+		c.undoCreate(created)
 		return nil, err
 	}
-	r, err := cd.t.api.CreateVolume(ctx, &managepb.CreateVolumeRequest{Pool: cd.p.Name, Name: name, SizeBytes: n, Shared: shared})
-	if err != nil {
-		return nil, fromTarget(cd.t, "create volume "+name, err)
+	sort.Slice(existing, func(i, j int) bool { return existing[i].t.Name < existing[j].t.Name })
+	id := existing.id().String()
+	if len(id) > maxVolumeID {
+		c.undoCreate(created)
+		return nil, status.Errorf(codes.InvalidArgument, "volume ID %s: %d bytes, CSI allows %d: name the targets or pools shorter", id, len(id), maxVolumeID)
 	}
-	f := found{t: cd.t, v: r.Volume}
-	c.log.Info("volume created", zap.String("name", req.Name), zap.String("volume_id", f.id().String()), zap.Int64("bytes", n))
-	return &csi.CreateVolumeResponse{Volume: f.csiVolume()}, nil
+	if len(created) > 0 {
+		c.log.Info("volume created", zap.String("name", req.Name), zap.String("volume_id", id), zap.Int64("bytes", n), zap.Int("copies", len(existing)))
+	}
+	return &csi.CreateVolumeResponse{Volume: existing.csiVolume()}, nil
 }
 
+// undoCreate deletes the copies a failed CreateVolume made (the first
+// copy of a mirror whose second has no place): none is left behind
+// where it can.
+func (c *Controller) undoCreate(f found) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, r := range f {
+		if _, err := r.t.api.DeleteVolume(ctx, &managepb.DeleteVolumeRequest{Pool: r.v.Pool, Name: r.v.Name}); err != nil {
+			c.log.Warn("a copy of a volume not created is left", zap.String("target", r.t.Name), zap.String("pool", r.v.Pool),
+				zap.String("name", r.v.Name), zap.Error(err))
+		}
+	}
+}
+
+// DeleteVolume deletes every copy of the volume.
 func (c *Controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
 	if req.VolumeId == "" {
 		return nil, status.Error(codes.InvalidArgument, "no volume ID")
@@ -340,16 +479,33 @@ func (c *Controller) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequ
 	if err != nil {
 		return &csi.DeleteVolumeResponse{}, nil // (no such volume can exist)
 	}
-	t := c.inv.targets[vid.Target]
-	if t == nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %q: target %q is not in the inventory: cannot tell whether it is gone", req.VolumeId, vid.Target)
+	for _, cp := range vid.Copies {
+		if c.inv.targets[cp.Target] == nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %q: target %q is not in the inventory: cannot tell whether it is gone", req.VolumeId, cp.Target)
+		}
 	}
-	_, err = t.api.DeleteVolume(ctx, &managepb.DeleteVolumeRequest{Pool: vid.Pool, Name: vid.Name})
-	if err != nil && status.Code(err) != codes.NotFound {
-		return nil, fromTarget(t, "delete volume "+req.VolumeId, err)
+	for _, cp := range vid.Copies {
+		t := c.inv.targets[cp.Target]
+		_, err = t.api.DeleteVolume(ctx, &managepb.DeleteVolumeRequest{Pool: cp.Pool, Name: vid.Name})
+		if err != nil && status.Code(err) != codes.NotFound {
+			return nil, fromTarget(t, "delete volume "+req.VolumeId, err)
+		}
 	}
 	c.log.Info("volume deleted", zap.String("volume_id", req.VolumeId))
 	return &csi.DeleteVolumeResponse{}, nil
+}
+
+// checkMirrorCapabilities refuses an access mode of several nodes for a
+// mirror: its md array is one node's (each node that assembled it would
+// write its superblock and bitmap).
+func checkMirrorCapabilities(caps []*csi.VolumeCapability) error {
+	for _, c := range caps {
+		if !singleNode(c) {
+			return status.Errorf(codes.InvalidArgument, "access mode %v: a volume of %s: 2 is one node's (its md array is assembled on one node)",
+				c.GetAccessMode().GetMode(), ParamReplicas)
+		}
+	}
+	return nil
 }
 
 // singleNode reports whether caps allow one node at a time.
@@ -375,44 +531,71 @@ func (c *Controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 	if err != nil {
 		return nil, err
 	}
-	if err := checkCapabilities([]*csi.VolumeCapability{req.VolumeCapability}, f.v.Shared); err != nil {
+	if err := checkCapabilities([]*csi.VolumeCapability{req.VolumeCapability}, f[0].v.Shared); err != nil {
 		return nil, err
 	}
+	if len(f) > 1 {
+		if err := checkMirrorCapabilities([]*csi.VolumeCapability{req.VolumeCapability}); err != nil {
+			return nil, err
+		}
+	}
 	if singleNode(req.VolumeCapability) {
-		for _, h := range f.v.Hosts {
+		for _, h := range f.hosts() {
 			if h != req.NodeId {
 				return nil, status.Errorf(codes.FailedPrecondition, "volume %q is published to node %q: a single-node volume is unpublished there first", req.VolumeId, h)
 			}
 		}
 	}
-	if _, err := f.t.api.PublishVolume(ctx, &managepb.PublishVolumeRequest{Pool: f.v.Pool, Name: f.v.Name, HostId: req.NodeId}); err != nil {
-		return nil, fromTarget(f.t, fmt.Sprintf("publish volume %s to node %s", req.VolumeId, req.NodeId), err)
+	// Every copy: a mirror's node attaches both. (A copy's target that
+	// does not answer fails the call; the CO tries again.)
+	for _, r := range f {
+		if _, err := r.t.api.PublishVolume(ctx, &managepb.PublishVolumeRequest{Pool: r.v.Pool, Name: r.v.Name, HostId: req.NodeId}); err != nil {
+			return nil, fromTarget(r.t, fmt.Sprintf("publish volume %s to node %s", req.VolumeId, req.NodeId), err)
+		}
 	}
 	c.log.Info("volume published", zap.String("volume_id", req.VolumeId), zap.String("node_id", req.NodeId))
 	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{}}, nil
 }
 
+// ControllerUnpublishVolume fences the node on every copy: it succeeds
+// only once no copy's target lets it write (a copy's target that does not
+// answer fails it, and the CO tries again: the node might still write
+// there once it is back).
 func (c *Controller) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
 	if req.VolumeId == "" {
 		return nil, status.Error(codes.InvalidArgument, "no volume ID")
 	}
-	f, err := c.lookup(ctx, req.VolumeId)
-	if status.Code(err) == codes.NotFound {
-		return &csi.ControllerUnpublishVolumeResponse{}, nil
-	}
+	vid, err := parseVolumeID(req.VolumeId)
 	if err != nil {
-		return nil, err
+		return &csi.ControllerUnpublishVolumeResponse{}, nil // (no such volume can exist)
 	}
-	nodes := []string{req.NodeId}
-	if req.NodeId == "" {
-		nodes = f.v.Hosts // (every node)
-	}
-	for _, n := range nodes {
-		r, err := f.t.api.UnpublishVolume(ctx, &managepb.UnpublishVolumeRequest{Pool: f.v.Pool, Name: f.v.Name, HostId: n})
-		if err != nil && status.Code(err) != codes.NotFound {
-			return nil, fromTarget(f.t, fmt.Sprintf("unpublish volume %s from node %s", req.VolumeId, n), err)
+	for _, cp := range vid.Copies {
+		t := c.inv.targets[cp.Target]
+		if t == nil {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %q: target %q is not in the inventory: the node cannot be fenced there", req.VolumeId, cp.Target)
 		}
-		c.log.Info("volume unpublished: node fenced", zap.String("volume_id", req.VolumeId), zap.String("node_id", n), zap.Int32("sessions_fenced", r.GetSessionsFenced()))
+		nodes := []string{req.NodeId}
+		if req.NodeId == "" { // (every node)
+			r, err := t.api.GetVolume(ctx, &managepb.GetVolumeRequest{Pool: cp.Pool, Name: vid.Name})
+			if status.Code(err) == codes.NotFound {
+				continue
+			}
+			if err != nil {
+				return nil, fromTarget(t, "get volume "+req.VolumeId, err)
+			}
+			nodes = r.Volume.Hosts
+		}
+		for _, n := range nodes {
+			r, err := t.api.UnpublishVolume(ctx, &managepb.UnpublishVolumeRequest{Pool: cp.Pool, Name: vid.Name, HostId: n})
+			if status.Code(err) == codes.NotFound {
+				continue // (no such volume there, or not published to n)
+			}
+			if err != nil {
+				return nil, fromTarget(t, fmt.Sprintf("unpublish volume %s from node %s", req.VolumeId, n), err)
+			}
+			c.log.Info("volume unpublished: node fenced", zap.String("volume_id", req.VolumeId), zap.String("target", t.Name),
+				zap.String("node_id", n), zap.Int32("sessions_fenced", r.GetSessionsFenced()))
+		}
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }
@@ -428,7 +611,11 @@ func (c *Controller) ValidateVolumeCapabilities(ctx context.Context, req *csi.Va
 	if err != nil {
 		return nil, err
 	}
-	if err := checkCapabilities(req.VolumeCapabilities, f.v.Shared); err != nil {
+	err = checkCapabilities(req.VolumeCapabilities, f[0].v.Shared)
+	if err == nil && len(f) > 1 {
+		err = checkMirrorCapabilities(req.VolumeCapabilities)
+	}
+	if err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
 	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
@@ -447,7 +634,10 @@ func (c *Controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 	if req.MaxEntries < 0 {
 		return nil, status.Error(codes.InvalidArgument, "negative max_entries")
 	}
+	// The copies of a mirror are the volumes of one name on two targets
+	// (a name is one CSI volume's).
 	var all []found
+	byName := map[string]int{}
 	for _, tn := range c.inv.names {
 		t := c.inv.targets[tn]
 		r, err := t.api.ListVolumes(ctx, &managepb.ListVolumesRequest{})
@@ -455,7 +645,12 @@ func (c *Controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 			return nil, fromTarget(t, "list volumes", err)
 		}
 		for _, v := range r.Volumes {
-			all = append(all, found{t: t, v: v})
+			if i, ok := byName[v.Name]; ok && len(all[i]) == 1 && all[i][0].t != t {
+				all[i] = append(all[i], replica{t: t, v: v})
+				continue
+			}
+			byName[v.Name] = len(all)
+			all = append(all, found{{t: t, v: v}})
 		}
 	}
 	if start > len(all) {
@@ -468,7 +663,7 @@ func (c *Controller) ListVolumes(ctx context.Context, req *csi.ListVolumesReques
 	out := &csi.ListVolumesResponse{}
 	for _, f := range all[start:end] {
 		out.Entries = append(out.Entries, &csi.ListVolumesResponse_Entry{Volume: f.csiVolume(),
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: slices.Clone(f.v.Hosts)}})
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: f.hosts()}})
 	}
 	if end < len(all) {
 		out.NextToken = strconv.Itoa(end)
@@ -514,14 +709,31 @@ func (c *Controller) ControllerExpandVolume(ctx context.Context, req *csi.Contro
 	if err != nil {
 		return nil, err
 	}
-	nodeExpansion := req.VolumeCapability.GetBlock() == nil
-	if n <= f.v.SizeBytes {
-		return &csi.ControllerExpandVolumeResponse{CapacityBytes: f.v.SizeBytes, NodeExpansionRequired: nodeExpansion}, nil
+	// A mirror's array grows on the node, block volume or not.
+	nodeExpansion := req.VolumeCapability.GetBlock() == nil || len(f) > 1
+	if n <= f.size() {
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: f.size(), NodeExpansionRequired: nodeExpansion}, nil
 	}
-	r, err := f.t.api.ExpandVolume(ctx, &managepb.ExpandVolumeRequest{Pool: f.v.Pool, Name: f.v.Name, SizeBytes: n})
-	if err != nil {
-		return nil, fromTarget(f.t, "expand volume "+req.VolumeId, err)
+	got := int64(-1)
+	for _, r := range f {
+		if r.v.SizeBytes >= n {
+			got = minSize(got, r.v.SizeBytes)
+			continue
+		}
+		x, err := r.t.api.ExpandVolume(ctx, &managepb.ExpandVolumeRequest{Pool: r.v.Pool, Name: r.v.Name, SizeBytes: n})
+		if err != nil {
+			return nil, fromTarget(r.t, "expand volume "+req.VolumeId, err)
+		}
+		got = minSize(got, x.Volume.SizeBytes)
 	}
-	c.log.Info("volume expanded", zap.String("volume_id", req.VolumeId), zap.Int64("bytes", r.Volume.SizeBytes))
-	return &csi.ControllerExpandVolumeResponse{CapacityBytes: r.Volume.SizeBytes, NodeExpansionRequired: nodeExpansion}, nil
+	c.log.Info("volume expanded", zap.String("volume_id", req.VolumeId), zap.Int64("bytes", got))
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: got, NodeExpansionRequired: nodeExpansion}, nil
+}
+
+// minSize is the smaller of a and b, where a < 0 is none yet.
+func minSize(a, b int64) int64 {
+	if a < 0 {
+		return b
+	}
+	return min(a, b)
 }

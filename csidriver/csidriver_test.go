@@ -23,6 +23,10 @@ func TestVolumeID(t *testing.T) {
 		ok bool
 	}{
 		{"storage-1/fast/pvc-1", true},
+		{"s-a/fast/s-b/slow/pvc-1", true},
+		{"s-b/fast/s-a/slow/pvc-1", false}, // (not in the targets' order)
+		{"s-a/fast/s-a/slow/pvc-1", false}, // (one target)
+		{"s-a/fast/s-b/pvc-1", false},
 		{"storage-1/fast/pvc-1/x", false},
 		{"storage-1/fast", false},
 		{"Storage/fast/pvc", false},
