@@ -24,6 +24,12 @@ var (
 	ErrNotUp = errors.New("the array is not assembled")
 )
 
+// DataOffset is where the array's data starts on each member: md's
+// superblock and write-intent bitmap live before it. An array is this
+// much smaller than its members, whatever their size (mdadm's own choice
+// grows with them, up to 128 MiB).
+const DataOffset = 4 << 20
+
 // Options name an array and its members.
 type Options struct {
 	// Name is the array's name: /dev/md/NAME (CheckName).
@@ -39,6 +45,9 @@ type Options struct {
 	Run func(ctx context.Context, name string, args ...string) ([]byte, error)
 	// Logger: one line per change of the array. Default: none.
 	Logger *zap.Logger
+	// Added, if set, is told of each member Add put back (full: copied
+	// in full, else from the bitmap): Metrics.Added.
+	Added func(array string, full bool)
 
 	// Where the kernel shows devices; tests set them.
 	sysBlock, devDir string
@@ -56,6 +65,12 @@ func (o *Options) defaults() {
 	}
 	if o.devDir == "" {
 		o.devDir = "/dev"
+	}
+}
+
+func (o *Options) added(full bool) {
+	if o.Added != nil {
+		o.Added(o.Name, full)
 	}
 }
 
@@ -180,7 +195,7 @@ func Up(ctx context.Context, o Options) (string, error) {
 	}
 	if len(ours) == 0 {
 		args := []string{"--create", o.Path(), "--run", "--level=1", "--raid-devices=2", "--metadata=1.2",
-			"--bitmap=internal", "--name=" + o.Name}
+			"--bitmap=internal", "--name=" + o.Name, fmt.Sprintf("--data-offset=%dK", DataOffset>>10)}
 		if o.Fresh {
 			args = append(args, "--assume-clean")
 		}
@@ -240,6 +255,7 @@ func Add(ctx context.Context, o Options, member string, full bool) error {
 		_, err := o.Run(ctx, "mdadm", o.Path(), "--re-add", member)
 		if err == nil {
 			o.Logger.Info("mirror member re-added (resyncing what changed)", zap.String("array", o.Name), zap.String("member", member))
+			o.added(false)
 			return nil
 		}
 		o.Logger.Warn("mirror member not re-added from the bitmap: adding it in full", zap.String("array", o.Name),
@@ -252,7 +268,32 @@ func Add(ctx context.Context, o Options, member string, full bool) error {
 		return fmt.Errorf("array %s: add %s: %w", o.Name, member, err)
 	}
 	o.Logger.Info("mirror member added (copying it in full)", zap.String("array", o.Name), zap.String("member", member))
+	o.added(true)
 	return nil
+}
+
+// Grow makes the array as large as its members allow (mdadm --grow
+// --size=max), once both have grown (their attaches resize them when the
+// volumes grow), and returns its size in bytes. The bitmap is kept.
+func Grow(ctx context.Context, o Options) (int64, error) {
+	o.defaults()
+	dev, err := o.device()
+	if err != nil {
+		return 0, err
+	}
+	if _, err := o.Run(ctx, "mdadm", "--grow", o.Path(), "--size=max"); err != nil {
+		return 0, fmt.Errorf("grow array %s: %w", o.Name, err)
+	}
+	b, err := os.ReadFile(filepath.Join(o.sysBlock, filepath.Base(dev), "size"))
+	if err != nil {
+		return 0, fmt.Errorf("grow array %s: %w", o.Name, err)
+	}
+	sectors, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("grow array %s: size %q: %w", o.Name, b, err)
+	}
+	o.Logger.Info("mirror grown", zap.String("array", o.Name), zap.Int64("bytes", sectors<<9))
+	return sectors << 9, nil
 }
 
 // Down stops the array (its members stay as they are). One not

@@ -104,6 +104,8 @@ func (f *fakeMD) run(_ context.Context, name string, args ...string) ([]byte, er
 		f.member[args[2]] = "in_sync"
 		f.sbs[args[2]] = "u-1 host:vol1"
 		f.sync()
+	case args[0] == "--grow":
+		os.WriteFile(filepath.Join(f.root, "sys", "block", "md0", "size"), []byte("262144\n"), 0o644)
 	case args[0] == "--stop":
 		f.member = map[string]string{}
 		os.RemoveAll(filepath.Join(f.root, "sys", "block", "md0"))
@@ -111,6 +113,23 @@ func (f *fakeMD) run(_ context.Context, name string, args ...string) ([]byte, er
 		os.Remove(f.dev("md0"))
 	}
 	return nil, nil
+}
+
+// Grow grows the array to what its members allow and says its size.
+func TestGrow(t *testing.T) {
+	ctx := context.Background()
+	f, o := newFakeMD(t)
+	if _, err := Grow(ctx, o); !errors.Is(err, ErrNotUp) {
+		t.Fatalf("Grow of an array not up: %v", err)
+	}
+	o.Members = []string{f.dev("nbd0"), f.dev("nbd1")}
+	if _, err := Up(ctx, o); err != nil {
+		t.Fatal(err)
+	}
+	n, err := Grow(ctx, o)
+	if err != nil || n != 128<<20 || !f.called("--grow "+o.Path()+" --size=max") {
+		t.Fatalf("Grow: %d, %v, calls %q", n, err, f.calls)
+	}
 }
 
 // called reports whether a call started with prefix (after "mdadm ").
@@ -152,7 +171,7 @@ func TestUp(t *testing.T) {
 		t.Fatalf("Up: %q, %v", dev, err)
 	}
 	create := f.calls[len(f.calls)-1]
-	for _, want := range []string{"--create " + o.Path(), "--level=1", "--raid-devices=2", "--bitmap=internal", "--name=vol1", "--assume-clean", f.dev("nbd0") + " " + f.dev("nbd1")} {
+	for _, want := range []string{"--create " + o.Path(), "--level=1", "--raid-devices=2", "--bitmap=internal", "--name=vol1", "--assume-clean", "--data-offset=4096K", f.dev("nbd0") + " " + f.dev("nbd1")} {
 		if !strings.Contains(create, want) {
 			t.Errorf("%q lacks %q", create, want)
 		}
