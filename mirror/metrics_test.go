@@ -17,13 +17,12 @@ func TestMetrics(t *testing.T) {
 	ctx := context.Background()
 	f, o := newFakeMD(t)
 	m := NewMetrics()
-	o.Members, o.Added = []string{f.dev("nbd0"), f.dev("nbd1")}, m.Added
+	o.Members, o.Added = []string{f.Dev("nbd0"), f.Dev("nbd1")}, m.Added
 	if _, err := Up(ctx, o); err != nil {
 		t.Fatal(err)
 	}
 	m.Track(o)
-	f.member[f.dev("nbd1")] = "faulty"
-	f.sync()
+	f.SetState(f.Dev("nbd1"), "faulty")
 	want := `
 # HELP rblk_mirror_degraded Members the array lacks: missing or failed (0: both copies serve).
 # TYPE rblk_mirror_degraded gauge
@@ -41,10 +40,10 @@ rblk_mirror_resyncing{array="vol1"} 0
 	}
 
 	// Re-added, md recovers it: a quarter done.
-	if err := Add(ctx, o, f.dev("nbd1"), false); err != nil {
+	if err := Add(ctx, o, f.Dev("nbd1"), false); err != nil {
 		t.Fatal(err)
 	}
-	md := filepath.Join(f.root, "sys", "block", "md0", "md")
+	md := filepath.Join(f.Root, "sys", "block", "md0", "md")
 	os.WriteFile(filepath.Join(md, "sync_action"), []byte("recover\n"), 0o644)
 	os.WriteFile(filepath.Join(md, "sync_completed"), []byte("2048 / 8192\n"), 0o644)
 	want = `

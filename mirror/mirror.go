@@ -49,8 +49,9 @@ type Options struct {
 	// in full, else from the bitmap): Metrics.Added.
 	Added func(array string, full bool)
 
-	// Where the kernel shows devices; tests set them.
-	sysBlock, devDir string
+	// SysBlock and DevDir are where the kernel shows devices: /sys/block
+	// and /dev by default (tests set them: package mirrortest).
+	SysBlock, DevDir string
 }
 
 func (o *Options) defaults() {
@@ -60,11 +61,11 @@ func (o *Options) defaults() {
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
-	if o.sysBlock == "" {
-		o.sysBlock = "/sys/block"
+	if o.SysBlock == "" {
+		o.SysBlock = "/sys/block"
 	}
-	if o.devDir == "" {
-		o.devDir = "/dev"
+	if o.DevDir == "" {
+		o.DevDir = "/dev"
 	}
 }
 
@@ -105,7 +106,7 @@ func CheckName(name string) error {
 
 // Path is /dev/md/NAME.
 func (o *Options) Path() string {
-	dir := o.devDir
+	dir := o.DevDir
 	if dir == "" {
 		dir = "/dev"
 	}
@@ -118,7 +119,7 @@ func (o *Options) device() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("%s: %w", o.Path(), ErrNotUp)
 	}
-	if _, err := os.Stat(filepath.Join(o.sysBlock, filepath.Base(p), "md")); err != nil {
+	if _, err := os.Stat(filepath.Join(o.SysBlock, filepath.Base(p), "md")); err != nil {
 		return "", fmt.Errorf("%s (%s): %w", o.Path(), p, ErrNotUp)
 	}
 	return p, nil
@@ -284,7 +285,7 @@ func Grow(ctx context.Context, o Options) (int64, error) {
 	if _, err := o.Run(ctx, "mdadm", "--grow", o.Path(), "--size=max"); err != nil {
 		return 0, fmt.Errorf("grow array %s: %w", o.Name, err)
 	}
-	b, err := os.ReadFile(filepath.Join(o.sysBlock, filepath.Base(dev), "size"))
+	b, err := os.ReadFile(filepath.Join(o.SysBlock, filepath.Base(dev), "size"))
 	if err != nil {
 		return 0, fmt.Errorf("grow array %s: %w", o.Name, err)
 	}
@@ -352,7 +353,7 @@ func Stat(o Options) (*Status, error) {
 	if err != nil {
 		return nil, err
 	}
-	md := filepath.Join(o.sysBlock, filepath.Base(dev), "md")
+	md := filepath.Join(o.SysBlock, filepath.Base(dev), "md")
 	read := func(name string) string {
 		b, _ := os.ReadFile(filepath.Join(md, name))
 		return strings.TrimSpace(string(b))
@@ -368,7 +369,7 @@ func Stat(o Options) (*Status, error) {
 		if !strings.HasPrefix(e.Name(), "dev-") {
 			continue
 		}
-		st.Members = append(st.Members, Member{Device: filepath.Join(o.devDir, strings.TrimPrefix(e.Name(), "dev-")),
+		st.Members = append(st.Members, Member{Device: filepath.Join(o.DevDir, strings.TrimPrefix(e.Name(), "dev-")),
 			State: read(filepath.Join(e.Name(), "state"))})
 	}
 	return st, nil
