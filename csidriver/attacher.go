@@ -19,6 +19,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
 	"github.com/rblk/rblk/initiator/kernel"
 	"github.com/rblk/rblk/internal/attachstate"
 	"github.com/rblk/rblk/internal/safeopen"
@@ -37,11 +39,27 @@ type Attacher interface {
 	Device(id string) (device string, ok bool)
 }
 
-// Conditioner is an Attacher that also tells what is wrong with an
-// attach that runs: a reason ("" when nothing is) and a message for
+// Condition is what is wrong with a volume's attach, for
 // NodeGetVolumeHealth.
+type Condition struct {
+	// Health is INACCESSIBLE (the volume's IO waits or fails) or
+	// DEGRADED (it serves, with a copy fewer or while one resyncs).
+	Health csi.VolumeHealthErrorType
+	// Reason is one word (Reconnecting, Failed, Degraded, ...); Message
+	// says what and since when.
+	Reason, Message string
+}
+
+// Conditioner is an Attacher that also tells what is wrong with an
+// attach that runs: ok is false when nothing is.
 type Conditioner interface {
-	Condition(id string) (reason, message string)
+	Condition(id string) (c Condition, ok bool)
+}
+
+// Grower is an Attacher whose volumes need more than the target's growth
+// to grow: Grow returns the device's size once it holds want bytes.
+type Grower interface {
+	Grow(ctx context.Context, id string, want int64) (int64, error)
 }
 
 // RBLKAttacher attaches volumes with rblk-attach --device, one process
@@ -133,10 +151,10 @@ func (a *RBLKAttacher) Device(id string) (string, bool) {
 // rblk-attach (its --state-dir is StateDir): "Reconnecting" while the
 // target is unreachable (IO waits), "Failed" once the session is lost for
 // good (the process is exiting).
-func (a *RBLKAttacher) Condition(id string) (reason, message string) {
+func (a *RBLKAttacher) Condition(id string) (Condition, bool) {
 	r, ok := a.read(id)
 	if !ok || !r.alive() {
-		return "", ""
+		return Condition{}, false
 	}
 	es, _ := attachstate.List(a.StateDir)
 	for _, e := range es {
@@ -145,17 +163,28 @@ func (a *RBLKAttacher) Condition(id string) (reason, message string) {
 		}
 		switch e.State {
 		case attachstate.Reconnecting:
-			return "Reconnecting", fmt.Sprintf("the target %s is unreachable since %s (%d reconnects so far): IO on %s waits for it",
-				e.Target, e.Since.UTC().Format(time.RFC3339), e.Reconnects, r.Device)
+			return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, "Reconnecting", fmt.Sprintf("the target %s is unreachable since %s (%d reconnects so far): IO on %s waits for it",
+				e.Target, e.Since.UTC().Format(time.RFC3339), e.Reconnects, r.Device)}, true
 		case attachstate.Failed:
-			return "Failed", fmt.Sprintf("the session with the target %s is lost (since %s): IO on %s fails", e.Target, e.Since.UTC().Format(time.RFC3339), r.Device)
+			return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, "Failed",
+				fmt.Sprintf("the session with the target %s is lost (since %s): IO on %s fails", e.Target, e.Since.UTC().Format(time.RFC3339), r.Device)}, true
 		}
 	}
-	return "", ""
+	return Condition{}, false
+}
+
+// Grow implements Grower: the device grows when its rblk-attach learns
+// of the volume's growth, a moment after ControllerExpandVolume.
+func (a *RBLKAttacher) Grow(ctx context.Context, id string, want int64) (int64, error) {
+	dev, ok := a.Device(id)
+	if !ok {
+		return 0, fmt.Errorf("volume %s is not attached on this node", id)
+	}
+	return waitDeviceSize(ctx, dev, want)
 }
 
 // attachedRE finds the device in rblk-attach's "attached" log line.
-var attachedRE = regexp.MustCompile(`"msg":"attached".*"device":"(/dev/[a-z0-9]+)"`)
+var attachedRE = regexp.MustCompile(`"msg":"attached".*"device":"(/[^"\\]+)"`)
 
 // Attach implements Attacher. A volume whose rblk-attach died while its
 // /dev/nbdN stayed attached is adopted, not attached again.
@@ -416,8 +445,8 @@ func (l *Leg) Device() (dev string, serving bool) {
 	if !ok {
 		return "", false
 	}
-	reason, _ := l.A.Condition(l.ID)
-	return dev, reason == ""
+	_, bad := l.A.Condition(l.ID)
+	return dev, !bad
 }
 
 // Reattach attaches the copy again after its rblk-attach ended (its

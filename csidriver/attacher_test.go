@@ -20,11 +20,18 @@ echo "$@" >"$(dirname "$0")/args"
 # The status file, in a state read from the file "state" beside it.
 state=up
 [ -f "$(dirname "$0")/state" ] && state=$(cat "$(dirname "$0")/state")
-while [ $# -gt 0 ]; do [ "$1" = --state-dir ] && dir=$2; shift; done
+# The device: /dev/null, or what the file "device-EXPORT" beside it names.
+dev=/dev/null
+here=$(dirname "$0")
+while [ $# -gt 0 ]; do
+	[ "$1" = --state-dir ] && dir=$2
+	[ "$1" = --export ] && [ -f "$here/device-$2" ] && dev=$(cat "$here/device-$2")
+	shift
+done
 ticks=$(awk '{print $22}' /proc/$$/stat)
-printf '{"pid":%d,"device":"/dev/null","export":"p:v","target":"192.0.2.10:7480","state":"%s","reconnects":3,"since":"2026-11-27T10:00:00Z","start_ticks":%s}' $$ "$state" "$ticks" >"$dir/$$.json"
+printf '{"pid":%d,"device":"%s","export":"p:v","target":"192.0.2.10:7480","state":"%s","reconnects":3,"since":"2026-11-27T10:00:00Z","start_ticks":%s}' $$ "$dev" "$state" "$ticks" >"$dir/$$.json"
 echo '{"level":"info","msg":"volume opened"}' >&2
-echo '{"level":"info","msg":"attached","device":"/dev/null","export":"p:v"}' >&2
+echo '{"level":"info","msg":"attached","device":"'"$dev"'","export":"p:v"}' >&2
 trap 'exit 0' TERM
 while :; do sleep 0.05; done
 `
@@ -134,7 +141,8 @@ func TestRBLKAttacherCondition(t *testing.T) {
 			t.Fatal(err)
 		}
 		// (The stand-in wrote its status file before its "attached" line.)
-		reason, msg := a.Condition("t/p/v")
+		cond, _ := a.Condition("t/p/v")
+		reason, msg := cond.Reason, cond.Message
 		if reason != c.reason || !strings.Contains(msg, c.says) {
 			t.Errorf("state %s: condition %q, %q; want %q, %q", c.state, reason, msg, c.reason, c.says)
 		}

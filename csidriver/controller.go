@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/rblk/rblk/manage/managepb"
+	"github.com/rblk/rblk/mirror"
 )
 
 // Volume sizes.
@@ -164,13 +165,23 @@ func (f found) id() volumeID {
 	return id
 }
 
-// size is the volume's size: its smallest copy's.
+// size is the volume's size: its smallest copy's, less md's room on each
+// for a mirror.
 func (f found) size() int64 {
 	n := f[0].v.SizeBytes
 	for _, r := range f[1:] {
 		n = min(n, r.v.SizeBytes)
 	}
-	return n
+	return n - copyOverhead(len(f))
+}
+
+// copyOverhead is how much larger than the volume each copy is: md's
+// superblock and bitmap on a mirror's copies (replicas > 1).
+func copyOverhead(replicas int) int64 {
+	if replicas > 1 {
+		return mirror.DataOffset
+	}
+	return 0
 }
 
 // hosts are the nodes the volume is published to (on any copy).
@@ -420,21 +431,22 @@ func (c *Controller) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequ
 	if err != nil {
 		return nil, err
 	}
+	over := copyOverhead(p.replicas)
 	for _, r := range existing {
-		v := r.v
-		if len(existing) > p.replicas || len(existing) == 2 && existing[0].t == existing[1].t || v.SizeBytes < req.CapacityRange.GetRequiredBytes() ||
-			(req.CapacityRange.GetLimitBytes() > 0 && v.SizeBytes > req.CapacityRange.GetLimitBytes()) || v.Shared != p.shared {
-			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists as %s with %d bytes, shared %v: not what is asked", req.Name, existing.id(), v.SizeBytes, v.Shared)
+		v, usable := r.v, r.v.SizeBytes-over
+		if len(existing) > p.replicas || len(existing) == 2 && existing[0].t == existing[1].t || usable < req.CapacityRange.GetRequiredBytes() ||
+			(req.CapacityRange.GetLimitBytes() > 0 && usable > req.CapacityRange.GetLimitBytes()) || v.Shared != p.shared {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %q exists as %s with %d bytes, shared %v: not what is asked", req.Name, existing.id(), usable, v.Shared)
 		}
 	}
 	created := found{}
 	for len(existing) < p.replicas {
 		// (A copy made by an earlier call that failed after it stays: the
 		// retry makes the one it lacks.)
-		cd, err := c.place(ctx, n, p.pool, req.AccessibilityRequirements, existing)
+		cd, err := c.place(ctx, n+over, p.pool, req.AccessibilityRequirements, existing)
 		if err == nil {
 			var r *managepb.CreateVolumeResponse
-			if r, err = cd.t.api.CreateVolume(ctx, &managepb.CreateVolumeRequest{Pool: cd.p.Name, Name: name, SizeBytes: n, Shared: p.shared}); err == nil {
+			if r, err = cd.t.api.CreateVolume(ctx, &managepb.CreateVolumeRequest{Pool: cd.p.Name, Name: name, SizeBytes: n + over, Shared: p.shared}); err == nil {
 				existing = append(existing, replica{t: cd.t, v: r.Volume})
 				created = append(created, replica{t: cd.t, v: r.Volume})
 				continue
@@ -714,17 +726,18 @@ func (c *Controller) ControllerExpandVolume(ctx context.Context, req *csi.Contro
 	if n <= f.size() {
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: f.size(), NodeExpansionRequired: nodeExpansion}, nil
 	}
+	over := copyOverhead(len(f))
 	got := int64(-1)
 	for _, r := range f {
-		if r.v.SizeBytes >= n {
-			got = minSize(got, r.v.SizeBytes)
+		if r.v.SizeBytes >= n+over {
+			got = minSize(got, r.v.SizeBytes-over)
 			continue
 		}
-		x, err := r.t.api.ExpandVolume(ctx, &managepb.ExpandVolumeRequest{Pool: r.v.Pool, Name: r.v.Name, SizeBytes: n})
+		x, err := r.t.api.ExpandVolume(ctx, &managepb.ExpandVolumeRequest{Pool: r.v.Pool, Name: r.v.Name, SizeBytes: n + over})
 		if err != nil {
 			return nil, fromTarget(r.t, "expand volume "+req.VolumeId, err)
 		}
-		got = minSize(got, x.Volume.SizeBytes)
+		got = minSize(got, x.Volume.SizeBytes-over)
 	}
 	c.log.Info("volume expanded", zap.String("volume_id", req.VolumeId), zap.Int64("bytes", got))
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: got, NodeExpansionRequired: nodeExpansion}, nil

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/rblk/rblk/manage/managepb"
+	"github.com/rblk/rblk/mirror"
 )
 
 // fakeAPI is a target's management API in memory: its pools (labels and
@@ -291,6 +292,14 @@ func TestCreateMirror(t *testing.T) {
 				}
 				zones = append(zones, zone(v))
 			}
+			for _, cp := range id.Copies {
+				if n := c.apis[cp.Target].vols[cp.Pool+"/"+id.Name].SizeBytes; n != 64<<20+mirror.DataOffset {
+					t.Errorf("copy on %s: %d bytes; want the volume's and md's room", cp.Target, n)
+				}
+			}
+			if r.Volume.CapacityBytes != 64<<20 {
+				t.Errorf("capacity %d; want 64 MiB", r.Volume.CapacityBytes)
+			}
 			if !slices.Equal(zones, c.zones) || len(left) != 2 {
 				t.Errorf("copies in zones %v (volumes %v); want %v", zones, left, c.zones)
 			}
@@ -332,12 +341,12 @@ func TestCreateMirrorRetry(t *testing.T) {
 		t.Fatalf("left: %v %v", a.vols, b.vols)
 	}
 	b.failCreate = false
-	a.vols["fast/pvc-1"] = &managepb.Volume{Pool: "fast", Name: "pvc-1", Export: "fast:pvc-1", SizeBytes: 64 << 20, Labels: a.pools["fast"].Labels}
+	a.vols["fast/pvc-1"] = &managepb.Volume{Pool: "fast", Name: "pvc-1", Export: "fast:pvc-1", SizeBytes: 68 << 20, Labels: a.pools["fast"].Labels}
 	r, err := ctrl.CreateVolume(ctx, mirrorRequest("pvc-1"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.Volume.VolumeId != "s1/fast/s2/fast/pvc-1" || len(b.vols) != 1 {
+	if r.Volume.VolumeId != "s1/fast/s2/fast/pvc-1" || len(b.vols) != 1 || r.Volume.CapacityBytes != 64<<20 {
 		t.Fatalf("volume %s, copies on s2 %v", r.Volume.VolumeId, b.vols)
 	}
 }
@@ -415,7 +424,7 @@ func TestMirrorLifecycle(t *testing.T) {
 	if er.CapacityBytes != 128<<20 || !er.NodeExpansionRequired {
 		t.Errorf("expand: %v; want 128 MiB and the node's expansion (the array), even for a block volume", er)
 	}
-	both("expanded", func(v *managepb.Volume) bool { return v.SizeBytes == 128<<20 })
+	both("expanded", func(v *managepb.Volume) bool { return v.SizeBytes == 128<<20+mirror.DataOffset })
 
 	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 		t.Fatal(err)

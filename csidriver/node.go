@@ -251,7 +251,14 @@ func (n *Node) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRe
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node", req.VolumeId)
 	}
-	size, err := waitDeviceSize(ctx, dev, req.GetCapacityRange().GetRequiredBytes())
+	var err error
+	want := req.GetCapacityRange().GetRequiredBytes()
+	var size int64
+	if g, ok := n.Attacher.(Grower); ok {
+		size, err = g.Grow(ctx, req.VolumeId, want)
+	} else {
+		size, err = waitDeviceSize(ctx, dev, want)
+	}
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "expand volume %s: %v", req.VolumeId, err)
 	}
@@ -308,9 +315,10 @@ func (n *Node) NodeGetVolumeStats(_ context.Context, req *csi.NodeGetVolumeStats
 
 // NodeGetVolumeHealth reports a volume whose attach is not running, or
 // whose device is gone, as INACCESSIBLE (what CSI 1.13 has in place of
-// the volume condition of NodeGetVolumeStats); so is one whose attach
-// waits for its target (Reconnecting) or lost it (Failed), with what its
-// Attacher, a Conditioner, says.
+// the volume condition of NodeGetVolumeStats); and what its Attacher, a
+// Conditioner, says: INACCESSIBLE while its attach waits for its target
+// (Reconnecting) or lost it (Failed), DEGRADED while a mirror lacks a
+// copy (Degraded) or copies onto one (Resyncing).
 func (n *Node) NodeGetVolumeHealth(_ context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if req.VolumeId == "" {
 		return nil, status.Error(codes.InvalidArgument, "no volume ID")
@@ -323,12 +331,15 @@ func (n *Node) NodeGetVolumeHealth(_ context.Context, req *csi.NodeGetVolumeHeal
 		h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NotAttached",
 			Message: "the volume's rblk-attach is not running on this node, or its device is gone"}}
 	} else if c, ok := n.Attacher.(Conditioner); ok {
-		if reason, msg := c.Condition(req.VolumeId); reason != "" {
-			h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: msg}}
+		if cond, bad := c.Condition(req.VolumeId); bad {
+			h.HealthStatuses = []*csi.VolumeHealth_VolumeHealthEntry{{Status: cond.Health, Reason: cond.Reason, Message: cond.Message}}
 		}
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
 }
+
+// devSize is deviceSize; tests replace it.
+var devSize = deviceSize
 
 // How long NodeExpandVolume waits for the device to show the grown
 // volume; a variable for tests.
@@ -342,7 +353,7 @@ func waitDeviceSize(ctx context.Context, dev string, want int64) (int64, error) 
 	ctx, cancel := context.WithTimeout(ctx, growWait)
 	defer cancel()
 	for {
-		size, err := deviceSize(dev)
+		size, err := devSize(dev)
 		if err != nil || size >= want {
 			return size, err
 		}

@@ -276,7 +276,9 @@ func (c conditionAttacher) Attach(context.Context, string, map[string]string) (s
 }
 func (c conditionAttacher) Detach(context.Context, string) error { return nil }
 func (c conditionAttacher) Device(string) (string, bool)         { return "/dev/null", true }
-func (c conditionAttacher) Condition(string) (string, string)    { return c.reason, c.msg }
+func (c conditionAttacher) Condition(string) (Condition, bool) {
+	return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, c.reason, c.msg}, c.reason != ""
+}
 
 // NodeGetVolumeHealth passes on what a Conditioner says of an attach that
 // runs, as INACCESSIBLE, and nothing when it says nothing.

@@ -11,6 +11,7 @@ import (
 	"github.com/rblk/rblk/cmd/internal/cli"
 	"github.com/rblk/rblk/csidriver"
 	"github.com/rblk/rblk/manage/remote"
+	"github.com/rblk/rblk/mirror"
 )
 
 // version is set at build time (-ldflags -X main.version=...).
@@ -25,7 +26,8 @@ type flags struct {
 	attachBin, secretFile, stateDir   string
 	device, defaultFS                 string
 	adoptTimeout                      time.Duration
-	attachArgs                        []string
+	attachArgs, mirrorArgs            []string
+	metricsListen                     string
 }
 
 func newRootCmd() *cobra.Command {
@@ -62,6 +64,8 @@ rblk host ID).`,
 	fl.StringVar(&f.device, "device", "auto", "node: auto (the kernel's /dev/nbdN) or ublk")
 	fl.StringArrayVar(&f.attachArgs, "attach-arg", nil, "node: one more argument of rblk-attach attach, such as --reconnect-timeout=30s (repeatable)")
 	fl.DurationVar(&f.adoptTimeout, "adopt-timeout", csidriver.DefaultAdoptTimeout, "node: when an rblk-attach dies (its container restarted), how long the kernel holds its /dev/nbdN's IO for the next start of the plugin to adopt the device (0: IO fails at once)")
+	fl.StringArrayVar(&f.mirrorArgs, "mirror-attach-arg", nil, "node: the rblk-attach flags of each copy of a volume of replicas: 2, in place of the defaults "+strings.Join(csidriver.DefaultMirrorArgs, " ")+" (repeatable)")
+	fl.StringVar(&f.metricsListen, "metrics-listen", "", "node: serve Prometheus metrics (rblk_mirror_* of the staged mirrors) on this HOST:PORT at /metrics (default: none)")
 	fl.StringVar(&f.defaultFS, "default-fs", "ext4", "node: the file system made where a volume's capability names none: ext4 or xfs")
 	root.AddCommand(cli.GenDocsCmd(root))
 	return root
@@ -121,6 +125,9 @@ func run(f flags) error {
 		if err := csidriver.CheckAttachArgs(f.attachArgs); err != nil {
 			return fmt.Errorf("--attach-arg: %w", err)
 		}
+		if err := csidriver.CheckAttachArgs(f.mirrorArgs); err != nil {
+			return fmt.Errorf("--mirror-attach-arg: %w", err)
+		}
 		if f.adoptTimeout < 0 {
 			return fmt.Errorf("--adopt-timeout %v: want 0 (none) or more", f.adoptTimeout)
 		}
@@ -130,13 +137,26 @@ func run(f flags) error {
 		}
 		att := &csidriver.RBLKAttacher{Bin: f.attachBin, HostID: host, SecretFile: f.secretFile, StateDir: f.stateDir, DeviceKind: f.device,
 			AdoptTimeout: adopt, Args: f.attachArgs}
+		reg := cli.NewRegistry()
+		metrics := mirror.NewMetrics()
+		reg.MustRegister(metrics)
+		mirrors := &csidriver.MirrorAttacher{A: att, MirrorArgs: f.mirrorArgs, Logger: log, Metrics: metrics}
+		defer mirrors.Close()
+		stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log)
+		if err != nil {
+			return err
+		}
+		defer stopMetrics()
 		// Before serving: a NodeStage or a stats call finds the attaches
-		// as they were before the restart.
+		// as they were before the restart, and the mirrors supervised.
 		n, err := att.Recover(ctx)
 		if n > 0 || err != nil {
 			log.Info("adopted the devices whose rblk-attach had gone", zap.Int("adopted", n), zap.NamedError("failed", err))
 		}
-		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: att, DefaultFS: f.defaultFS, Logger: log}
+		if n, err := mirrors.Resume(); n > 0 || err != nil {
+			log.Info("supervising the staged mirrors again", zap.Int("mirrors", n), zap.NamedError("failed", err))
+		}
+		node := &csidriver.Node{HostID: host, Topology: topo, Attacher: mirrors, DefaultFS: f.defaultFS, Logger: log}
 		if srv, err = csidriver.Listen(f.endpoint, id, nil, node, log); err != nil {
 			return err
 		}

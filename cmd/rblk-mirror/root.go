@@ -29,7 +29,7 @@ func newRootCmd() *cobra.Command {
 
 type upFlags struct {
 	name, transport, hostID, hostIDFile, secretFile string
-	stateDir, attachBin, logFormat                  string
+	stateDir, attachBin, logFormat, metricsListen   string
 	legs                                            []string
 	fastFail, reconnect, keepAlive, grace, every    time.Duration
 	fresh, debug                                    bool
@@ -74,6 +74,7 @@ both copies. rblk-mirror status shows the array.`,
 	fl.DurationVar(&f.grace, "restart-grace", 30*time.Second, "after a planned restart of a copy's target (rblkd stopped with SIGTERM), how long its IO waits for it before it fails fast: a planned restart degrades nothing")
 	fl.DurationVar(&f.every, "check-interval", time.Second, "how often the members are looked at")
 	fl.BoolVar(&f.fresh, "fresh", false, "the copies are new volumes of zeroes: create the array in sync instead of copying the first onto the second")
+	fl.StringVar(&f.metricsListen, "metrics-listen", "", "serve Prometheus metrics (rblk_mirror_*: degraded, resync progress, members put back) on this HOST:PORT at /metrics (default: none)")
 	fl.StringVar(&f.logFormat, "log-format", "console", "console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
 	return cmd
@@ -121,6 +122,14 @@ func up(f upFlags) error {
 			"--keepalive-timeout=" + f.keepAlive.String(), "--restart-grace=" + f.grace.String(), "--fail-on-lost-writes"}}
 	ctx, cancel := cli.SignalContext()
 	defer cancel()
+	metrics := mirror.NewMetrics()
+	reg := cli.NewRegistry()
+	reg.MustRegister(metrics)
+	stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log) // (before anything is attached: a port in use fails it)
+	if err != nil {
+		return err
+	}
+	defer stopMetrics()
 	var legs []mirror.Leg
 	var members []string
 	for i, s := range f.legs {
@@ -135,12 +144,13 @@ func up(f upFlags) error {
 		log.Info("copy attached", zap.String("leg", s), zap.String("device", dev))
 		legs, members = append(legs, l), append(members, dev)
 	}
-	o := mirror.Options{Name: f.name, Members: members, Fresh: f.fresh, Logger: log}
+	o := mirror.Options{Name: f.name, Members: members, Fresh: f.fresh, Logger: log, Added: metrics.Added}
 	dev, err := mirror.Up(ctx, o)
 	if err != nil {
 		detachAll(att, legs, log)
 		return err
 	}
+	metrics.Track(o)
 	log.Info("mirror up", zap.String("array", o.Path()), zap.String("device", dev), zap.Strings("members", members))
 	mirror.Supervise(ctx, o, legs, f.every)
 

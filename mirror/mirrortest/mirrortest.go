@@ -26,6 +26,7 @@ type FakeMD struct {
 
 	mu     sync.Mutex
 	calls  []string
+	called chan struct{} // closed (and replaced) at each call
 	link   string
 	SBs    map[string]string // member -> "UUID NAME"; absent: no superblock
 	ReAdd  error             // what --re-add answers
@@ -103,6 +104,10 @@ func (f *FakeMD) Run(_ context.Context, name string, args ...string) ([]byte, er
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.calls = append(f.calls, name+" "+strings.Join(args, " "))
+	if f.called != nil {
+		close(f.called)
+		f.called = nil
+	}
 	switch {
 	case args[0] == "--examine":
 		sb, ok := f.SBs[args[2]]
@@ -167,6 +172,27 @@ func (f *FakeMD) ResetCalls() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.calls = nil
+}
+
+// WaitCalled waits until a call started with prefix (after "mdadm "), or
+// ctx ends: it reports whether one did.
+func (f *FakeMD) WaitCalled(ctx context.Context, prefix string) bool {
+	for {
+		f.mu.Lock()
+		if f.called == nil {
+			f.called = make(chan struct{})
+		}
+		ch := f.called
+		f.mu.Unlock()
+		if f.Called(prefix) {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return false
+		}
+	}
 }
 
 // Called reports whether a call started with prefix (after "mdadm ").
