@@ -112,7 +112,7 @@ func (f *FakeMD) Run(_ context.Context, name string, args ...string) ([]byte, er
 	case args[0] == "--examine":
 		sb, ok := f.SBs[args[2]]
 		if !ok {
-			return nil, fmt.Errorf("mdadm --examine: exit status 1: mdadm: No md superblock detected on %s.", args[2])
+			return nil, fmt.Errorf("mdadm --examine: exit status 1: mdadm: No md superblock detected on %s", args[2])
 		}
 		uuid, n, _ := strings.Cut(sb, " ")
 		return []byte("MD_LEVEL=raid1\nMD_UUID=" + uuid + "\nMD_NAME=" + n + "\n"), nil
