@@ -275,7 +275,8 @@ func (c *Controller) findByName(ctx context.Context, name, pool string) (found, 
 type candidate struct {
 	t         *target
 	p         *managepb.Pool
-	preferred int // the index of the first preferred segment it matches; len(preferred) if none
+	preferred int  // the index of the first preferred segment it matches; len(preferred) if none
+	outside   bool // not in a requisite segment (a mirror's second copy may be)
 }
 
 // matches reports whether labels satisfy segment (each key of it equal).
@@ -324,7 +325,8 @@ func apart(t *target, p *managepb.Pool, f found) bool {
 
 // place picks the pool for a copy of n bytes: one the topology and the
 // pool parameter allow, apart from the copies in others; the first
-// preferred, then the one with the most room.
+// preferred, then the one with the most room. A second copy (others not
+// empty) goes to a requisite segment where one is apart, else to any.
 func (c *Controller) place(ctx context.Context, n int64, poolName string, req *csi.TopologyRequirement, others found) (*candidate, error) {
 	var cands []candidate
 	var unreachable []string
@@ -338,12 +340,20 @@ func (c *Controller) place(ctx context.Context, n int64, poolName string, req *c
 			continue
 		}
 		for _, p := range r.Pools {
-			if ok, rank := allowed(p.Labels, req); ok && apart(t, p, others) {
-				cands = append(cands, candidate{t: t, p: p, preferred: rank})
+			ok, rank := allowed(p.Labels, req)
+			// A mirror's second copy need not be in a requisite segment:
+			// the volume is reachable from the first copy's (CSI asks
+			// that of one requisite segment), and from the second's, for
+			// when the first segment is lost.
+			if (ok || len(others) > 0) && apart(t, p, others) {
+				cands = append(cands, candidate{t: t, p: p, outside: !ok, preferred: rank})
 			}
 		}
 	}
 	sort.SliceStable(cands, func(i, j int) bool {
+		if cands[i].outside != cands[j].outside {
+			return !cands[i].outside
+		}
 		if cands[i].preferred != cands[j].preferred {
 			return cands[i].preferred < cands[j].preferred
 		}

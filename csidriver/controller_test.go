@@ -243,6 +243,12 @@ func TestCreateMirror(t *testing.T) {
 				r.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{
 					{Segments: map[string]string{"topology.rblk.io/zone": "b"}}, {Segments: map[string]string{"topology.rblk.io/zone": "c"}}}}
 			}, zones: []string{"b", "c"}},
+		// One requisite zone (the pod's node's): the second copy outside
+		// it, the volume reachable from both.
+		{name: "one requisite zone", apis: map[string]*fakeAPI{"s1": newFakeAPI(zonePool("fast", "a", 1<<30)), "s2": newFakeAPI(zonePool("fast", "b", 4<<30))},
+			req: func(r *csi.CreateVolumeRequest) {
+				r.AccessibilityRequirements = &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"topology.rblk.io/zone": "a"}}}}
+			}, zones: []string{"a", "b"}},
 		{name: "one zone", apis: map[string]*fakeAPI{"s1": newFakeAPI(zonePool("fast", "a", 8<<30)), "s2": newFakeAPI(zonePool("fast", "a", 4<<30))},
 			code: codes.ResourceExhausted},
 		{name: "one target", apis: map[string]*fakeAPI{"s1": newFakeAPI(zonePool("fast", "a", 8<<30), zonePool("slow", "b", 8<<30))},

@@ -76,11 +76,17 @@ func (v volumeID) arrayName() string {
 	return "rblk-" + hex.EncodeToString(sum[:13])
 }
 
+// maxPlainName is the longest CSI volume name a pool's volume is named
+// after as it is: longer ones are hashed (44 bytes), so that a volume ID
+// keeps within maxVolumeID (Kubernetes names volumes pvc-UUID: 40).
+const maxPlainName = 48
+
 // volumeName is the pool's name for the CSI volume name: the name
-// itself where a pool takes it, else "csi-" and a hash of it (the same
-// for the same name: a retried CreateVolume finds its volume).
+// itself where a pool takes it and it is short, else "csi-" and a hash
+// of it (the same for the same name: a retried CreateVolume finds its
+// volume).
 func volumeName(csiName string) string {
-	if pool.CheckName(csiName) == nil {
+	if len(csiName) <= maxPlainName && pool.CheckName(csiName) == nil {
 		return csiName
 	}
 	sum := sha256.Sum256([]byte(csiName))

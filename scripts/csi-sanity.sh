@@ -4,7 +4,8 @@
 # rblkd: rblkd with a pool, its management API (certificates from rblkd
 # cert) and an auth file that knows the node's host ID; rblk-csi --mode
 # controller with an inventory of that rblkd; rblk-csi --mode node as the
-# node. It ends with ginkgo's summary line and exits with csi-sanity's
+# node; with RBLK_CSI_REPLICAS=2, two rblkd in two zones and volumes of
+# replicas: 2. It ends with ginkgo's summary line and exits with csi-sanity's
 # status.
 #
 # On this machine (the test command): over the software transport (tcp on
@@ -18,6 +19,9 @@
 #   CSI_SANITY_BIN=PATH     csi-sanity built already (else: go install, cached)
 #   RBLK_CSI_TRANSPORT      tcp (default) or rdma
 #   RBLK_CSI_LISTEN         rblkd's address (default 127.0.0.1:0)
+#   RBLK_CSI_REPLICAS=2     a second rblkd (storage-2, zone-b, on the next port of RBLK_CSI_LISTEN)
+#                           and the StorageClass parameter replicas: "2": every volume a mirror,
+#                           an md RAID1 on the node (mdadm)
 #   RBLK_CSI_NODE=1         the Node specs run (default: skipped)
 #   RBLK_CSI_FS             the node's --default-fs: ext4 (default) or xfs
 #   RBLK_CSI_ACCESS         mount (default) or block: csi-sanity's volume access type
@@ -68,55 +72,89 @@ transport=${RBLK_CSI_TRANSPORT:-tcp}
 
 tls=$work/tls
 "$bin/rblkd" cert ca --dir "$tls" >/dev/null
-"$bin/rblkd" cert server --dir "$tls" --name storage-1 --host 127.0.0.1 >/dev/null
 "$bin/rblkd" cert client --dir "$tls" --name rblk-csi-controller >/dev/null
 (
 	umask 077
 	od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$work/node.secret"
 	printf 'sanity-node %s\n' "$(cat "$work/node.secret")" >"$work/auth"
 )
-cat >"$work/rblkd.yaml" <<EOF
-listen: ${RBLK_CSI_LISTEN:-127.0.0.1:0}
+replicas=${RBLK_CSI_REPLICAS:-1}
+case "$replicas" in
+1 | 2) ;;
+*)
+	echo "csi-sanity: RBLK_CSI_REPLICAS=$replicas: want 1 or 2" >&2
+	exit 2
+	;;
+esac
+
+# start_target N LISTEN ZONE: rblkd storage-N with a pool "sanity" in
+# ZONE, its data path on LISTEN; its entry goes to inventory.yaml.
+echo "targets:" >"$work/inventory.yaml"
+start_target() {
+	local n=$1 listen=$2 zone=$3 d=$work/storage-$1 pid data api
+	mkdir -p "$d"
+	"$bin/rblkd" cert server --dir "$tls" --name "storage-$n" --host 127.0.0.1 >/dev/null
+	cat >"$d/rblkd.yaml" <<EOF
+listen: $listen
 transport: $transport
 auth_file: $work/auth
 cache_size: 64M
 chunk_size: 1M
-admin_socket: $work/rblkd.sock
+admin_socket: $d/rblkd.sock
 log_format: json
 pools:
   - name: sanity
-    directory: $work/pool
+    directory: $d/pool
     capacity: 8G
-    labels: {topology.rblk.io/zone: zone-a}
+    labels: {topology.rblk.io/zone: $zone}
 management:
   listen: 127.0.0.1:0
-  cert: $tls/storage-1.crt
-  key: $tls/storage-1.key
+  cert: $tls/storage-$n.crt
+  key: $tls/storage-$n.key
   client_ca: $tls/ca.crt
   clients:
     - identity: rblk-csi-controller
       pools: ["*"]
 EOF
-"$bin/rblkd" serve --config "$work/rblkd.yaml" 2>"$work/rblkd.log" &
-pids+=($!)
-# The addresses rblkd bound (port 0: a free one each).
-for _ in $(seq 300); do
-	grep -q '"msg":"rblkd serving"' "$work/rblkd.log" && grep -q '"msg":"management API"' "$work/rblkd.log" && break
-	kill -0 "${pids[0]}" 2>/dev/null || { cat "$work/rblkd.log"; echo "csi-sanity: rblkd exited" >&2; exit 1; }
-	sleep 0.1
-done
-field() { grep "\"msg\":\"$1\"" "$work/rblkd.log" | head -1 | sed -n 's/.*"listen":"\([^"]*\)".*/\1/p'; }
-data=$(field "rblkd serving")
-api=$(field "management API")
-[ -n "$data" ] && [ -n "$api" ] || { cat "$work/rblkd.log"; echo "csi-sanity: rblkd did not say where it listens" >&2; exit 1; }
-echo "csi-sanity: rblkd serves $data ($transport), its management API $api"
-cat >"$work/inventory.yaml" <<EOF
-targets:
-  - name: storage-1
+	"$bin/rblkd" serve --config "$d/rblkd.yaml" 2>"$d/rblkd.log" &
+	pid=$!
+	pids+=("$pid")
+	# The addresses rblkd bound (port 0: a free one each).
+	for _ in $(seq 300); do
+		grep -q '"msg":"rblkd serving"' "$d/rblkd.log" && grep -q '"msg":"management API"' "$d/rblkd.log" && break
+		kill -0 "$pid" 2>/dev/null || {
+			cat "$d/rblkd.log"
+			echo "csi-sanity: rblkd storage-$n exited" >&2
+			exit 1
+		}
+		sleep 0.1
+	done
+	data=$(grep '"msg":"rblkd serving"' "$d/rblkd.log" | head -1 | sed -n 's/.*"listen":"\([^"]*\)".*/\1/p')
+	api=$(grep '"msg":"management API"' "$d/rblkd.log" | head -1 | sed -n 's/.*"listen":"\([^"]*\)".*/\1/p')
+	[ -n "$data" ] && [ -n "$api" ] || {
+		cat "$d/rblkd.log"
+		echo "csi-sanity: rblkd storage-$n did not say where it listens" >&2
+		exit 1
+	}
+	echo "csi-sanity: rblkd storage-$n ($zone) serves $data ($transport), its management API $api"
+	cat >>"$work/inventory.yaml" <<EOF
+  - name: storage-$n
     management: $api
     address: $data
     transport: $transport
 EOF
+}
+listen=${RBLK_CSI_LISTEN:-127.0.0.1:0}
+start_target 1 "$listen" zone-a
+if [ "$replicas" = 2 ]; then
+	# The second copy's target, in another zone: on the next port, or a
+	# free one.
+	port=${listen##*:}
+	[ "$port" = 0 ] || port=$((port + 1))
+	start_target 2 "${listen%:*}:$port" zone-b
+	printf 'replicas: "2"\n' >"$work/params.yaml"
+	CSI_SANITY_ARGS="--csi.testvolumeparameters $work/params.yaml ${CSI_SANITY_ARGS:-}"
+fi
 "$bin/rblk-csi" --mode controller --endpoint "unix://$work/controller.sock" --inventory "$work/inventory.yaml" \
 	--tls-cert "$tls/rblk-csi-controller.crt" --tls-key "$tls/rblk-csi-controller.key" --tls-ca "$tls/ca.crt" 2>"$work/controller.log" &
 pids+=($!)
@@ -143,9 +181,9 @@ rc=0
 	--ginkgo.no-color --ginkgo.timeout 20m ${CSI_SANITY_ARGS:-} >"$work/sanity.log" 2>&1 || rc=$?
 cat "$work/sanity.log"
 if [ "$rc" -ne 0 ]; then
-	for f in rblkd controller node; do
-		echo "----- $f.log (tail)"
-		tail -40 "$work/$f.log"
+	for f in "$work"/storage-*/rblkd.log "$work/controller.log" "$work/node.log"; do
+		echo "----- $f (tail)"
+		tail -40 "$f"
 	done
 	for f in "$work"/state/*.log; do
 		[ -f "$f" ] || continue

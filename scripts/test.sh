@@ -216,6 +216,7 @@ step "systemd units: systemd-analyze verify (scripts/verify-units.sh)" units_che
 step "unit tests: go test -race ./... (but e2e)" unit_tests
 step "e2e tests: go test ./e2e/ (RBLK_E2E_REQUIRE=1, RBLK_E2E_RACE=$RBLK_E2E_RACE)" e2e_tests
 step "CSI conformance: csi-sanity, Identity and Controller, against rblk-csi and a real rblkd (scripts/csi-sanity.sh)" scripts/csi-sanity.sh
+step "CSI conformance: csi-sanity, Identity and Controller, a StorageClass of replicas: 2 over two rblkd in two zones" env RBLK_CSI_REPLICAS=2 scripts/csi-sanity.sh
 fuzz_all
 if [ "${RBLK_SKIP_VM:-0}" = 1 ]; then
 	warn "RBLK_SKIP_VM=1: the test on a real kernel RDMA stack is left out"

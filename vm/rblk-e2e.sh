@@ -817,28 +817,39 @@ scen_e2e() {
 
 # csi: the CSI conformance suite (csi-sanity, scripts/csi-sanity.sh)
 # against rblk-csi and rblkd over rdma, the node attaching each volume with
-# rblk-attach on the kernel's /dev/nbdN, three runs: every spec with ext4,
-# then the Node specs with xfs and with block volumes. Logs in logs/csi/,
+# rblk-attach on the kernel's /dev/nbdN, five runs: every spec with ext4,
+# then the Node specs with xfs and with block volumes, then the Node specs
+# of a StorageClass of replicas: 2 (two rblkd; each volume an md RAID1
+# over two /dev/nbdN) with ext4 and with block volumes. Logs in logs/csi/,
 # the summary lines in csi-summary.txt.
 scen_csi() {
-	local run fs access size focus rc failed=''
+	local run fs access size focus replicas name rc failed=''
 	[ -x "$BIN/rblk-csi" ] && [ -x "$BIN/csi-sanity" ] && [ -f "$BIN/csi-sanity.sh" ] || fail "no rblk-csi, csi-sanity or csi-sanity.sh beside the binaries"
 	modprobe nbd nbds_max=16 2>/dev/null || true
+	modprobe raid1 2>/dev/null || true
 	: >"$BIN/csi-summary.txt"
-	for run in "ext4 mount $((64 << 20)) ." "xfs mount $((320 << 20)) Node.Service" "ext4 block $((64 << 20)) Node.Service"; do
-		read -r fs access size focus <<<"$run"
-		step "csi-sanity: $fs, $access volumes, focus $focus"
+	for run in "ext4 mount $((64 << 20)) . 1" "xfs mount $((320 << 20)) Node.Service 1" "ext4 block $((64 << 20)) Node.Service 1" \
+		"ext4 mount $((64 << 20)) Node.Service 2" "ext4 block $((64 << 20)) Node.Service 2"; do
+		read -r fs access size focus replicas <<<"$run"
+		name=$fs-$access
+		[ "$replicas" = 1 ] || name+=-replicas$replicas
+		step "csi-sanity: $fs, $access volumes, focus $focus, replicas $replicas"
 		rc=0
 		TMPDIR=$WORK RBLK_CSI_BIN=$BIN CSI_SANITY_BIN=$BIN/csi-sanity RBLK_CSI_TRANSPORT=rdma RBLK_CSI_LISTEN=$IP:7660 \
 			RBLK_CSI_NODE=1 RBLK_CSI_FS=$fs RBLK_CSI_ACCESS=$access RBLK_CSI_VOLUME_SIZE=$size CSI_SANITY_FOCUS=$focus \
-			timeout 900 bash "$BIN/csi-sanity.sh" >"$LOGS/csi-$fs-$access.log" 2>&1 || rc=$?
+			RBLK_CSI_REPLICAS=$replicas timeout 900 bash "$BIN/csi-sanity.sh" >"$LOGS/csi-$name.log" 2>&1 || rc=$?
 		{
-			printf '%s, %s: exit %d: ' "$fs" "$access" "$rc"
-			grep -E '^(SUCCESS|FAIL)! --' "$LOGS/csi-$fs-$access.log" | tail -1 || echo "no summary"
+			printf '%s, %s, replicas %s: exit %d: ' "$fs" "$access" "$replicas" "$rc"
+			grep -E '^(SUCCESS|FAIL)! --' "$LOGS/csi-$name.log" | tail -1 || echo "no summary"
 		} | tee -a "$BIN/csi-summary.txt"
-		grep -E '^\s*\[FAIL\]' "$LOGS/csi-$fs-$access.log" | head -20 || true
-		[ "$rc" = 0 ] || failed+="$fs/$access "
+		grep -E '^\s*\[FAIL\]' "$LOGS/csi-$name.log" | head -20 || true
+		[ "$rc" = 0 ] || failed+="$name "
 	done
+	# (No array is left: each unstage stopped its own.)
+	if [ -e /proc/mdstat ] && grep -q '^md' /proc/mdstat; then
+		cat /proc/mdstat
+		failed+="md-arrays-left "
+	fi
 	mkdir -p "$BIN/logs/csi"
 	cp "$LOGS"/csi-*.log "$BIN/logs/csi/" 2>/dev/null || true
 	[ -z "$failed" ] || fail "csi-sanity failed: $failed(logs/csi/)"
