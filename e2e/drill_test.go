@@ -133,33 +133,73 @@ func onlyB(t *testing.T, file string) {
 // runs it) whose inventory names it, storage-1.
 func csiTarget(t *testing.T, authFile string) (tg *target, ctrl *csidriver.Controller, dir string) {
 	t.Helper()
+	tgs, ctrl, dir := csiTargets(t, authFile, "")
+	return tgs[0].tg, ctrl, dir
+}
+
+// csiStorage is a target of csiTargets: its rblkd and its config.
+type csiStorage struct {
+	tg     *target
+	config string
+}
+
+// restart starts s's rblkd again, on the address initiators know (the
+// last one is gone: killed, or stopped).
+func (s *csiStorage) restart(t *testing.T, authFile string) {
+	t.Helper()
+	s.tg = startTargetOn(t, s.tg.addr, nil, "--config", s.config, "--auth-file", authFile)
+}
+
+// csiTargets starts an rblkd per zone, storage-1, storage-2, ..., as
+// csiTarget does, each pool "fast" labeled topology.rblk.io/zone=ZONE (no
+// label for ""), and returns them with one rblk-csi controller whose
+// inventory names them all.
+func csiTargets(t *testing.T, authFile string, zones ...string) (tgs []*csiStorage, ctrl *csidriver.Controller, dir string) {
+	t.Helper()
 	dir = t.TempDir()
 	tlsDir := filepath.Join(dir, "tls")
-	for _, args := range [][]string{{"ca"}, {"server", "--name", "storage-1", "--host", "127.0.0.1"}, {"client", "--name", "rblk-csi-controller"}} {
+	f := func(name string) string { return filepath.Join(tlsDir, name) }
+	for _, args := range [][]string{{"ca"}, {"client", "--name", "rblk-csi-controller"}} {
 		mustRun(t, cmdTimeout, rblkdBin, append(append([]string{"cert"}, args...), "--dir", tlsDir)...)
 	}
-	f := func(name string) string { return filepath.Join(tlsDir, name) }
-	apiAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	cfg := filepath.Join(dir, "rblkd.yaml")
-	conf := fmt.Sprintf("pools:\n  - name: fast\n    directory: %s\n    capacity: 256M\nmanagement:\n  listen: %s\n  cert: %s\n  key: %s\n  client_ca: %s\n"+
-		"  clients:\n    - identity: rblk-csi-controller\n      pools: [\"*\"]\n",
-		filepath.Join(dir, "fast"), apiAddr, f("storage-1.crt"), f("storage-1.key"), f("ca.crt"))
-	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	tg = startTarget(t, nil, "--config", cfg, "--auth-file", authFile)
-	if err := waitUntil(tg.proc, 20*time.Second, func() bool { return strings.Contains(tg.out.String(), "management API") }); err != nil {
-		t.Fatal(err)
+	var inv csidriver.InventoryFile
+	for i, zone := range zones {
+		name := fmt.Sprintf("storage-%d", i+1)
+		mustRun(t, cmdTimeout, rblkdBin, "cert", "server", "--name", name, "--host", "127.0.0.1", "--dir", tlsDir)
+		sdir := filepath.Join(dir, name)
+		if i == 0 {
+			sdir = dir // (csiTarget's layout: dir/fast)
+		}
+		labels := ""
+		if zone != "" {
+			labels = "    labels: {topology.rblk.io/zone: " + zone + "}\n"
+		}
+		apiAddr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		cfg := filepath.Join(sdir, "rblkd.yaml")
+		conf := fmt.Sprintf("pools:\n  - name: fast\n    directory: %s\n    capacity: 256M\n%smanagement:\n  listen: %s\n  cert: %s\n  key: %s\n  client_ca: %s\n"+
+			"  clients:\n    - identity: rblk-csi-controller\n      pools: [\"*\"]\n",
+			filepath.Join(sdir, "fast"), labels, apiAddr, f(name+".crt"), f(name+".key"), f("ca.crt"))
+		if err := os.MkdirAll(sdir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		tg := startTarget(t, nil, "--config", cfg, "--auth-file", authFile)
+		if err := waitUntil(tg.proc, 20*time.Second, func() bool { return strings.Contains(tg.out.String(), "management API") }); err != nil {
+			t.Fatal(err)
+		}
+		tgs = append(tgs, &csiStorage{tg: tg, config: cfg})
+		inv.Targets = append(inv.Targets, csidriver.TargetConfig{Name: name, Management: apiAddr, Address: tg.addr, Transport: e2eTransport()})
 	}
 	tc, err := remote.ClientTLS(f("rblk-csi-controller.crt"), f("rblk-csi-controller.key"), f("ca.crt"), "")
 	if err != nil {
 		t.Fatal(err)
 	}
-	inv, err := csidriver.NewInventory(&csidriver.InventoryFile{Targets: []csidriver.TargetConfig{
-		{Name: "storage-1", Management: apiAddr, Address: tg.addr, Transport: e2eTransport()}}}, tc)
+	targets, err := csidriver.NewInventory(&inv, tc)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { inv.Close() })
-	return tg, csidriver.NewController(inv, nil), dir
+	t.Cleanup(func() { targets.Close() })
+	return tgs, csidriver.NewController(targets, nil), dir
 }

@@ -102,21 +102,27 @@ func (r *mirrorRig) waitState(timeout time.Duration, what string, cond func(*mir
 // check runs md's check of the whole array and returns mismatch_cnt.
 func (r *mirrorRig) check() uint64 {
 	r.t.Helper()
-	st, err := mirror.Stat(r.o)
+	return mdCheck(r.t, r.o)
+}
+
+// mdCheck runs md's check of o's whole array and returns mismatch_cnt.
+func mdCheck(t *testing.T, o mirror.Options) uint64 {
+	t.Helper()
+	st, err := mirror.Stat(o)
 	if err != nil {
-		r.t.Fatal(err)
+		t.Fatal(err)
 	}
 	action := filepath.Join("/sys/block", filepath.Base(st.Device), "md", "sync_action")
 	if err := os.WriteFile(action, []byte("check\n"), 0o644); err != nil {
-		r.t.Fatal(err)
+		t.Fatal(err)
 	}
-	pollUntil(r.t, 5*time.Minute, "md's check to end", func() bool {
+	pollUntil(t, 5*time.Minute, "md's check to end", func() bool {
 		b, _ := os.ReadFile(action)
 		return strings.TrimSpace(string(b)) == "idle"
 	})
-	st, err = mirror.Stat(r.o)
+	st, err = mirror.Stat(o)
 	if err != nil {
-		r.t.Fatal(err)
+		t.Fatal(err)
 	}
 	return st.Mismatches
 }

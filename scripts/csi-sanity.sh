@@ -191,6 +191,17 @@ if [ "$rc" -ne 0 ]; then
 		tail -20 "$f"
 	done
 fi
+# With the Node specs, a StorageClass of replicas: 2 must have staged md
+# arrays: say how many, and fail if none was.
+if [ "$replicas" = 2 ] && [ "${RBLK_CSI_NODE:-0}" = 1 ]; then
+	made=$(grep -c '"msg":"mirror created"' "$work/node.log" || true)
+	stopped=$(grep -c '"msg":"mirror stopped"' "$work/node.log" || true)
+	echo "csi-sanity: the node created $made md arrays and stopped $stopped"
+	if [ "$made" -eq 0 ]; then
+		echo "csi-sanity: replicas 2, and the node staged no mirror" >&2
+		rc=1
+	fi
+fi
 # ginkgo's summary, last: "Ran N of M Specs ...", then PASS/FAIL counts.
 grep -E '^Ran [0-9]+ of [0-9]+ Specs|^(SUCCESS|FAIL)! --' "$work/sanity.log" | tail -2
 exit "$rc"

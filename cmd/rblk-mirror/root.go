@@ -23,7 +23,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newUpCmd(), newStatusCmd(), cli.GenDocsCmd(root))
+	root.AddCommand(newUpCmd(), newStatusCmd(), newGrowCmd(), cli.GenDocsCmd(root))
 	return root
 }
 
@@ -203,4 +203,29 @@ func newStatusCmd() *cobra.Command {
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+func newGrowCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "grow NAME",
+		Short: "Grow /dev/md/NAME to what its copies hold now (after both volumes grew), keeping its bitmap",
+		Long: `Grow makes the array as large as its two copies allow (mdadm --grow
+--size=max): grow both volumes first (rblkd's pools, or their backing
+files); each copy's rblk-attach resizes its device when its target says so.
+Then grow the file system on it (resize2fs /dev/md/NAME, xfs_growfs MOUNT).`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := mirror.CheckName(args[0]); err != nil {
+				return err
+			}
+			ctx, cancel := cli.SignalContext()
+			defer cancel()
+			n, err := mirror.Grow(ctx, mirror.Options{Name: args[0]})
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "/dev/md/%s: %d bytes\n", args[0], n)
+			return nil
+		},
+	}
 }
