@@ -382,6 +382,13 @@ type createParams struct {
 	replicas int
 }
 
+// CheckParameters says why CreateVolume refuses a StorageClass's
+// parameters, or nil.
+func CheckParameters(params map[string]string) error {
+	_, err := parseParams(params)
+	return err
+}
+
 func parseParams(params map[string]string) (createParams, error) {
 	p := createParams{replicas: 1}
 	for k, v := range params {

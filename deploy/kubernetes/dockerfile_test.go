@@ -19,11 +19,13 @@ var toolPackage = map[string]string{
 	"xfs_growfs": "xfsprogs",
 	"mount":      "mount",
 	"umount":     "mount",
+	"mdadm":      "mdadm",
 }
 
-// toolCall finds the tools csidriver runs by name: run(ctx, "NAME", ...)
-// and exec.CommandContext(ctx, "NAME", ...).
-var toolCall = regexp.MustCompile(`(?:\brun\(|exec\.CommandContext\()[a-zA-Z.()]+, "([a-z0-9._-]+)"`)
+// toolCall finds the tools csidriver and mirror run by name: run(ctx,
+// "NAME", ...), o.Run(ctx, "NAME", ...) and exec.CommandContext(ctx,
+// "NAME", ...).
+var toolCall = regexp.MustCompile(`(?:\brun\(|\.Run\(|exec\.CommandContext\()[a-zA-Z.()]+, "([a-z0-9._-]+)"`)
 
 // TestDockerfile: deploy/Dockerfile builds rblk-csi and rblk-attach with
 // the verbs provider, puts them on PATH (the DaemonSet's --attach-bin is
@@ -62,6 +64,8 @@ func TestDockerfile(t *testing.T) {
 		}
 	}
 	srcs, _ := filepath.Glob(filepath.Join("..", "..", "csidriver", "*.go"))
+	mirrorSrcs, _ := filepath.Glob(filepath.Join("..", "..", "mirror", "*.go")) // (a mirror's node runs mdadm)
+	srcs = append(srcs, mirrorSrcs...)
 	tools := map[string]bool{}
 	for _, src := range srcs {
 		if strings.HasSuffix(src, "_test.go") {

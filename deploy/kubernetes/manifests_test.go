@@ -122,10 +122,16 @@ func TestManifests(t *testing.T) {
 				t.Errorf("StorageClass %s: provisioner %q, want %s", o.str("metadata", "name"), p, csidriver.DriverName)
 			}
 			params, _ := o.get("parameters").(map[string]any)
-			for k := range params {
-				if k != csidriver.ParamPool && k != csidriver.ParamShared && !strings.HasPrefix(k, "csi.storage.k8s.io/") {
-					t.Errorf("StorageClass %s: parameter %q, which rblk-csi refuses", o.str("metadata", "name"), k)
+			strs := map[string]string{}
+			for k, v := range params {
+				s, ok := v.(string)
+				if !ok {
+					t.Errorf("StorageClass %s: parameter %q is %T: Kubernetes takes strings (quote it)", o.str("metadata", "name"), k, v)
 				}
+				strs[k] = s
+			}
+			if err := csidriver.CheckParameters(strs); err != nil {
+				t.Errorf("StorageClass %s: rblk-csi refuses its parameters: %v", o.str("metadata", "name"), err)
 			}
 		case "ClusterRoleBinding", "RoleBinding":
 			ref := o.get("roleRef").(map[string]any)
