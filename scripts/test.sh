@@ -229,14 +229,15 @@ else
 	# tests, the soak, and the fio table (bench), the kernel with every
 	# column (ublk too). Both leave out TestAllocsPerIO (6 minutes under
 	# emulation; the soak's TestSubmitAllocs measures the same path over
-	# rdma in process). The bench's "nbd null" floor: the 4k QD1 and QD32
+	# rdma in process). The bench's "nbd null" floor and "rblk mirror" column: the 4k QD1 and QD32
 	# jobs only. (make bench: all of it; RBLK_VM_SOAK_RUNS=3: the soak
 	# three times in a row.)
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, beside NVMe-oF RDMA (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-6.12}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
 		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|TestFault 6.12:TestAllocsPerIO}" \
-		BENCH_NULL_JOBS="${BENCH_NULL_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh
+		BENCH_NULL_JOBS="${BENCH_NULL_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" \
+		BENCH_MIRROR_JOBS="${BENCH_MIRROR_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh
 fi
 
 summary

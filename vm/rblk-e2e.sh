@@ -443,10 +443,13 @@ scen_verbs() {
 # fio-floors.json, fio-info.txt into the share.
 BENCH_MB=${BENCH_MB:-128}
 BENCH_QUEUES=${BENCH_QUEUES:-2}
-BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488
+BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488 BENCH_MIRROR_PORT=7489 # (and 7490)
 # The jobs of the "nbd null" column (empty: all of FIO_JOBS); the test
 # command (scripts/test.sh) runs the 4k QD1 and QD32 ones only, for time.
 BENCH_NULL_JOBS=${BENCH_NULL_JOBS:-}
+# The jobs of the "rblk mirror" column (md RAID1 over two rblk devices,
+# each on an rblkd of its own; empty: all of FIO_JOBS).
+BENCH_MIRROR_JOBS=${BENCH_MIRROR_JOBS:-}
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
 # head (no queues of its own), its controller's I/O queues (queue_count
@@ -467,6 +470,7 @@ hw_queues() {
 scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
 	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram='' ndev=''
+	local mram='' mdev='' m_devs=() m_apids=() m_rblkds=()
 	if [ -n "$before" ]; then
 		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
 		nram=3
@@ -475,6 +479,11 @@ scen_bench() {
 	if has_ublk; then
 		uram=$nram
 		nram=$((nram + 1))
+	fi
+	# With mdadm and raid1, a mirror of two rblk devices gets a column.
+	if command -v mdadm >/dev/null && modprobe raid1 2>/dev/null; then
+		mram=$nram
+		nram=$((nram + 2))
 	fi
 	step "brd: $nram RAM disks of $size MiB with the same random bytes"
 	if [ -e /sys/module/brd ]; then rmmod brd || fail "brd is loaded and busy"; fi
@@ -507,6 +516,20 @@ scen_bench() {
 		attach_ublk attach-ublk.log "$size" --connections "$BENCH_QUEUES"
 		udev=$DEV u_apid=$APID u_rblkd=$RBLKD
 	fi
+	if [ -n "$mram" ]; then
+		step "rblk mirror: rblkd on /dev/ram$mram and on /dev/ram$((mram + 1)), rblk-attach --connections $BENCH_QUEUES to each, md RAID1 over them"
+		for i in 0 1; do
+			SERVE_VOL=/dev/ram$((mram + i)) serve "rblkd-mirror$i.log" $((BENCH_MIRROR_PORT + i)) "$size" --cache-size $((size + 32))M
+			attach "attach-mirror$i.log" "$size" --connections "$BENCH_QUEUES"
+			m_devs+=("$DEV") m_apids+=("$APID") m_rblkds+=("$RBLKD")
+		done
+		# (as package mirror creates it over new copies; the two RAM disks
+		# hold the same bytes, so the copies are in sync)
+		mdadm --create /dev/md/rblk-bench --run --level=1 --raid-devices=2 --metadata=1.2 --bitmap=internal \
+			--name=rblk-bench --assume-clean --data-offset=4096K "${m_devs[@]}" >"$LOGS/mdadm-bench.log" 2>&1 ||
+			fail "mdadm --create: $(tail -n 3 "$LOGS/mdadm-bench.log")"
+		mdev=$(readlink -f /dev/md/rblk-bench)
+	fi
 	# The NBD front end's floor: a /dev/nbdN like rblk's (as many
 	# connections, 4 KiB blocks) on nbdkit's null plugin, nothing behind it.
 	if nbd_null_available; then
@@ -524,6 +547,7 @@ scen_bench() {
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
+		[ -z "$mdev" ] || echo "rblk mirror: $mdev, md RAID1 (internal bitmap) over ${m_devs[*]} (rblk-attach --connections $BENCH_QUEUES each, on two rblkd)${BENCH_MIRROR_JOBS:+; only $BENCH_MIRROR_JOBS}"
 		if [ -n "$ndev" ]; then
 			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data${BENCH_NULL_JOBS:+; only $BENCH_NULL_JOBS}"
 		else
@@ -534,7 +558,7 @@ scen_bench() {
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
 	# no cache to warm)
 	step "warm-up (not measured): one sequential read of each rblk device"
-	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"}; do
+	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"} "${m_devs[@]}"; do
 		dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d"
 	done
 
@@ -550,6 +574,13 @@ scen_bench() {
 		done
 		devs+=("nbd null=$ndev${nj:+=$nj}")
 	fi
+	if [ -n "$mdev" ]; then
+		local mj='' j
+		for j in $BENCH_MIRROR_JOBS; do
+			case " $FIO_JOBS " in *" $j "*) mj+=$j, ;; *) fail "BENCH_MIRROR_JOBS: '$j' is none of FIO_JOBS ($FIO_JOBS)" ;; esac
+		done
+		devs+=("rblk mirror=$mdev${mj:+=$mj}")
+	fi
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
@@ -557,8 +588,13 @@ scen_bench() {
 		{
 			grep '^fabric floor' "$BIN/fio-floors.txt"
 			cat "$BIN/fio-info.txt"
-			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"} ${ndev:+"nbd null"}
+			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"} ${ndev:+"nbd null"} ${mdev:+"rblk mirror"}
 			[ -z "$ndev" ] || fio_share "$csv" "nbd null" rblk
+			if [ -n "$mdev" ]; then
+				echo
+				echo "the mirror beside one rblk device (each write goes to both copies):"
+				fio_table "$csv" rblk "rblk mirror"
+			fi
 		} | tee "$BIN/fio-table.txt"
 	fi
 	[ "$rc" = 0 ] || fail "a fio job failed"
@@ -574,6 +610,13 @@ scen_bench() {
 	if [ -n "$udev" ]; then
 		DEV=$udev APID=$u_apid detach
 		RBLKD=$u_rblkd stop_rblkd
+	fi
+	if [ -n "$mdev" ]; then
+		mdadm --stop /dev/md/rblk-bench >>"$LOGS/mdadm-bench.log" 2>&1 || fail "mdadm --stop: $(tail -n 3 "$LOGS/mdadm-bench.log")"
+		for i in 0 1; do
+			DEV=${m_devs[i]} APID=${m_apids[i]} detach
+			RBLKD=${m_rblkds[i]} stop_rblkd
+		done
 	fi
 	DEV=$rblk_dev APID=$rblk_apid detach
 	RBLKD=$rblk_rblkd stop_rblkd
