@@ -5,10 +5,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
@@ -25,10 +27,11 @@ import (
 // two /dev/nbdN with ext4 on it and publishes it; fio writes a file there
 // with crc32c in every block. One copy's rblkd is killed (SIGKILL): fio
 // sees no error, NodeGetVolumeHealth says DEGRADED (Degraded) within the
-// fast-fail time, and rblk_mirror_degraded is 1. The rblkd runs again: the
-// member is re-added from the bitmap (rblk_mirror_members_added_total
-// from="bitmap"), the volume is healthy again, md's check finds no
-// mismatch. Then ControllerExpandVolume grows both copies and
+// fast-fail time (SIGKILL) or the keepalive (SIGSTOP), and
+// rblk_mirror_degraded is 1. The rblkd runs again: the member is put back
+// (from the bitmap after SIGSTOP: rblk_mirror_members_added_total
+// from="bitmap"; in full after SIGKILL if the target lost writes), the
+// volume is healthy again, md's check finds no mismatch. Then ControllerExpandVolume grows both copies and
 // NodeExpandVolume the array and the file system, under the mount; the
 // file verifies. Unstage stops the array and detaches both copies;
 // DeleteVolume deletes both.
@@ -114,44 +117,88 @@ func TestCSIMirror(t *testing.T) {
 		v, _ := metricSum(scrapeQuiet(storage[1].tg.metrics), "rblkd_written_bytes_total")
 		return v
 	}
-	fio := startFio(t, append(job, "--rate_iops=200")...)
-	base := written()
-	pollUntil(t, 2*time.Minute, "fio's writes to reach the second copy", func() bool { return fio.exited() || written() >= base+1<<20 })
-
-	storage[1].tg.kill9(t)
-	killed := time.Now()
-	pollUntil(t, time.Minute, "NodeGetVolumeHealth to say DEGRADED", func() bool {
-		h := health()
-		return h != nil && h.Status == csi.VolumeHealthErrorType_DEGRADED && h.Reason == "Degraded"
-	})
-	degrade := time.Since(killed)
-	if err := gauge("rblk_mirror_degraded", "# HELP rblk_mirror_degraded Members the array lacks: missing or failed (0: both copies serve).\n"+
-		"# TYPE rblk_mirror_degraded gauge\nrblk_mirror_degraded{array=\"pvc-mirror\"} 1\n"); err != nil {
-		t.Error(err)
-	}
-	t.Logf("degraded: %s", health().Message)
-
-	storage[1].restart(t, authFile)
-	back := time.Now()
-	sawResync := false
-	pollUntil(t, 5*time.Minute, "the volume healthy again", func() bool {
-		h := health()
-		if h != nil && h.Reason == "Resyncing" {
-			sawResync = true
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(metrics)
+	added := func(from string) float64 {
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
 		}
-		return h == nil
-	})
-	resync := time.Since(back)
-	if err := gauge("rblk_mirror_members_added_total", "# HELP rblk_mirror_members_added_total Members put back into the array: from the bitmap (what changed while it was away) or in full.\n"+
-		"# TYPE rblk_mirror_members_added_total counter\nrblk_mirror_members_added_total{array=\"pvc-mirror\",from=\"bitmap\"} 1\n"); err != nil {
-		t.Errorf("the member was not re-added from the bitmap alone: %v", err)
+		for _, mf := range mfs {
+			if mf.GetName() != "rblk_mirror_members_added_total" {
+				continue
+			}
+			for _, m := range mf.Metric {
+				for _, l := range m.Label {
+					if l.GetName() == "from" && l.GetValue() == from {
+						return m.GetCounter().GetValue()
+					}
+				}
+			}
+		}
+		return 0
 	}
-	fio.wait(t)
-	t.Logf("SIGKILL of one copy's rblkd under fio: DEGRADED %v after the kill (fast-fail time %v); healthy again %v after its rblkd ran again (resync seen: %v)",
-		degrade.Round(100*time.Millisecond), fastFail, resync.Round(100*time.Millisecond), sawResync)
 	o := mirror.Options{Name: "pvc-mirror"}
-	if n := mdCheck(t, o); n != 0 {
-		t.Fatalf("md's check found %d mismatched sectors", n)
+
+	// SIGSTOP (a target that hangs) past the keepalive, then SIGCONT: the
+	// same instance comes back, and md copies what changed (the bitmap).
+	// SIGKILL, then a restart: a copy whose target lost acknowledged
+	// writes is attached again and copied in full; one that lost none
+	// is re-added from the bitmap.
+	for i, fault := range []string{"SIGSTOP", "SIGKILL"} {
+		fio := startFio(t, append(job, "--rate_iops=200")...)
+		base := written()
+		pollUntil(t, 2*time.Minute, "fio's writes to reach the second copy", func() bool { return fio.exited() || written() >= base+1<<20 })
+		p := storage[1].tg.cmd.Process
+		if fault == "SIGSTOP" {
+			if err := p.Signal(syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.Signal(syscall.SIGCONT) })
+		} else {
+			storage[1].tg.kill9(t)
+		}
+		faulted := time.Now()
+		pollUntil(t, time.Minute, "NodeGetVolumeHealth to say DEGRADED", func() bool {
+			h := health()
+			return h != nil && h.Status == csi.VolumeHealthErrorType_DEGRADED && h.Reason == "Degraded"
+		})
+		degrade := time.Since(faulted)
+		if err := gauge("rblk_mirror_degraded", "# HELP rblk_mirror_degraded Members the array lacks: missing or failed (0: both copies serve).\n"+
+			"# TYPE rblk_mirror_degraded gauge\nrblk_mirror_degraded{array=\"pvc-mirror\"} 1\n"); err != nil {
+			t.Error(err)
+		}
+		t.Logf("%s: %s", fault, health().Message)
+		if fault == "SIGSTOP" {
+			if err := p.Signal(syscall.SIGCONT); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			storage[1].restart(t, authFile)
+		}
+		back := time.Now()
+		sawResync := false
+		pollUntil(t, 5*time.Minute, "the volume healthy again", func() bool {
+			h := health()
+			if h != nil && h.Reason == "Resyncing" {
+				sawResync = true
+			}
+			return h == nil
+		})
+		resync := time.Since(back)
+		fio.wait(t)
+		bitmap, full := added("bitmap"), added("full")
+		t.Logf("%s of one copy's rblkd under fio: DEGRADED %v after it (fast-fail time %v, keepalive 5s); healthy again %v after its rblkd ran again (Resyncing seen: %v); members added so far: %v from the bitmap, %v in full",
+			fault, degrade.Round(100*time.Millisecond), fastFail, resync.Round(100*time.Millisecond), sawResync, bitmap, full)
+		switch {
+		case fault == "SIGSTOP" && (bitmap != 1 || full != 0):
+			t.Fatalf("after SIGSTOP: %v members added from the bitmap, %v in full; want the one from the bitmap", bitmap, full)
+		case bitmap+full != float64(i+1):
+			t.Fatalf("after %s: %v members added in all; want %d", fault, bitmap+full, i+1)
+		}
+		if n := mdCheck(t, o); n != 0 {
+			t.Fatalf("after %s: md's check found %d mismatched sectors", fault, n)
+		}
 	}
 
 	// Grow it under the mounted file system.

@@ -113,13 +113,17 @@ func mdCheck(t *testing.T, o mirror.Options) uint64 {
 		t.Fatal(err)
 	}
 	action := filepath.Join("/sys/block", filepath.Base(st.Device), "md", "sync_action")
+	idle := func() bool {
+		b, _ := os.ReadFile(action)
+		return strings.TrimSpace(string(b)) == "idle"
+	}
+	// (A resync or recovery that runs, such as of a grown array's new
+	// room, ends first: md takes no check meanwhile.)
+	pollUntil(t, 5*time.Minute, "md's resync to end before its check", idle)
 	if err := os.WriteFile(action, []byte("check\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pollUntil(t, 5*time.Minute, "md's check to end", func() bool {
-		b, _ := os.ReadFile(action)
-		return strings.TrimSpace(string(b)) == "idle"
-	})
+	pollUntil(t, 5*time.Minute, "md's check to end", idle)
 	st, err = mirror.Stat(o)
 	if err != nil {
 		t.Fatal(err)
