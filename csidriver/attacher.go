@@ -163,8 +163,12 @@ func (a *RBLKAttacher) Condition(id string) (Condition, bool) {
 		}
 		switch e.State {
 		case attachstate.Reconnecting:
-			return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, "Reconnecting", fmt.Sprintf("the target %s is unreachable since %s (%d reconnects so far): IO on %s waits for it",
-				e.Target, e.Since.UTC().Format(time.RFC3339), e.Reconnects, r.Device)}, true
+			io := "waits for it"
+			if slices.ContainsFunc(r.Args, func(a string) bool { return strings.HasPrefix(a, "--fast-fail-timeout") }) {
+				io = "fails fast (--fast-fail-timeout) until it is back"
+			}
+			return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, "Reconnecting", fmt.Sprintf("the target %s is unreachable since %s (%d reconnects so far): IO on %s %s",
+				e.Target, e.Since.UTC().Format(time.RFC3339), e.Reconnects, r.Device, io)}, true
 		case attachstate.Failed:
 			return Condition{csi.VolumeHealthErrorType_INACCESSIBLE, "Failed",
 				fmt.Sprintf("the session with the target %s is lost (since %s): IO on %s fails", e.Target, e.Since.UTC().Format(time.RFC3339), r.Device)}, true

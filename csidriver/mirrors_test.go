@@ -80,7 +80,7 @@ func TestMirrorAttacher(t *testing.T) {
 	}
 	f.SetState(dev1, "faulty")
 	if h := health(); len(h) != 1 || h[0].Status != csi.VolumeHealthErrorType_DEGRADED || h[0].Reason != "Degraded" ||
-		!strings.Contains(h[0].Message, "1 of 2 copies serve") || !strings.Contains(h[0].Message, "the target 192.0.2.10:7480 is unreachable") {
+		!strings.Contains(h[0].Message, "1 of 2 copies serve") || !strings.Contains(h[0].Message, "the target 192.0.2.10:7480 is unreachable") || !strings.Contains(h[0].Message, "fails fast") {
 		t.Errorf("health with a failed member: %v", h)
 	}
 	f.Lock()
