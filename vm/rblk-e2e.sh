@@ -448,7 +448,9 @@ BENCH_PORT=7485 BENCH_BEFORE_PORT=7486 BENCH_UBLK_PORT=7488 BENCH_MIRROR_PORT=74
 # command (scripts/test.sh) runs the 4k QD1 and QD32 ones only, for time.
 BENCH_NULL_JOBS=${BENCH_NULL_JOBS:-}
 # The jobs of the "rblk mirror" column (md RAID1 over two rblk devices,
-# each on an rblkd of its own; empty: all of FIO_JOBS).
+# each on an rblkd of its own; empty: all of FIO_JOBS), and its bitmap
+# (BENCH_MIRROR_BITMAP: internal, as rblk-mirror and rblk-csi make it, or
+# none, to see what the bitmap costs).
 BENCH_MIRROR_JOBS=${BENCH_MIRROR_JOBS:-}
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
@@ -525,7 +527,7 @@ scen_bench() {
 		done
 		# (as package mirror creates it over new copies; the two RAM disks
 		# hold the same bytes, so the copies are in sync)
-		mdadm --create /dev/md/rblk-bench --run --level=1 --raid-devices=2 --metadata=1.2 --bitmap=internal \
+		mdadm --create /dev/md/rblk-bench --run --level=1 --raid-devices=2 --metadata=1.2 --bitmap="${BENCH_MIRROR_BITMAP:-internal}" \
 			--name=rblk-bench --assume-clean --data-offset=4096K "${m_devs[@]}" >"$LOGS/mdadm-bench.log" 2>&1 ||
 			fail "mdadm --create: $(tail -n 3 "$LOGS/mdadm-bench.log")"
 		mdev=$(readlink -f /dev/md/rblk-bench)
@@ -547,7 +549,7 @@ scen_bench() {
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
-		[ -z "$mdev" ] || echo "rblk mirror: $mdev, md RAID1 (internal bitmap) over ${m_devs[*]} (rblk-attach --connections $BENCH_QUEUES each, on two rblkd)${BENCH_MIRROR_JOBS:+; only $BENCH_MIRROR_JOBS}"
+		[ -z "$mdev" ] || echo "rblk mirror: $mdev, md RAID1 (bitmap ${BENCH_MIRROR_BITMAP:-internal}, chunk $(cat "/sys/block/${mdev#/dev/}/md/bitmap/chunksize" 2>/dev/null || echo none)) over ${m_devs[*]} (rblk-attach --connections $BENCH_QUEUES each, on two rblkd)${BENCH_MIRROR_JOBS:+; only $BENCH_MIRROR_JOBS}"
 		if [ -n "$ndev" ]; then
 			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data${BENCH_NULL_JOBS:+; only $BENCH_NULL_JOBS}"
 		else
