@@ -139,6 +139,7 @@ func TestCSIMirror(t *testing.T) {
 		return 0
 	}
 	o := mirror.Options{Name: "pvc-mirror"}
+	mdFastResync(t, o)
 
 	// SIGSTOP (a target that hangs) past the keepalive, then SIGCONT: the
 	// same instance comes back, and md copies what changed (the bitmap).

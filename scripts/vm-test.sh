@@ -45,6 +45,8 @@
 #                                          # (6.1:socket,nbd: both; a kernel
 #                                          # not named: RBLK_VM_E2E_DEVICES);
 #                                          # RBLK_VM_E2E_SKIP_KERNELS="6.12:RE"
+#   RBLK_VM_E2E_ALSO_KERNELS="6.1:nbd:RE"  # and, on that kernel, the tests RE
+#                                          # on that device too
 #                                          # is -test.skip RE on 6.12
 #   RBLK_VM_SOAK_KERNELS=6.12 ...          # the soak on 6.12 only (the
 #                                          # others skip it, and say so)
@@ -162,6 +164,10 @@ run_kernel() {
 	done
 	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
+	# More e2e tests on another device, on this kernel: KERNEL:DEVICE:REGEXP.
+	for p in ${RBLK_VM_E2E_ALSO_KERNELS:-}; do
+		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_ALSO_DEVICE=%q RBLK_VM_E2E_ALSO_RUN=%q\n' "${v%%:*}" "${v#*:}" >>"$art/env.sh"; }
 	done
 	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((1500 + 900 * ${RBLK_VM_SOAK_RUNS:-1}))} \
 		RBLK_VM_MEM=${RBLK_VM_MEM:-3G} vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?

@@ -859,6 +859,20 @@ scen_e2e() {
 		tee -a "$BIN/e2e-summary.txt" <"$out/verdict.txt"
 		sed -n '/^e2e: [0-9]* tests not applicable/,$p' "$out/e2e-test.log" | grep -E '^(e2e: |  Test)' | cut -c1-220 || true
 	done
+	# RBLK_VM_E2E_ALSO_DEVICE and _RUN: some tests on another device too
+	# (the mirror drills on /dev/nbdN, where the suite runs on the socket).
+	if [ -n "${RBLK_VM_E2E_ALSO_DEVICE:-}" ]; then
+		d=$RBLK_VM_E2E_ALSO_DEVICE
+		out=$BIN/logs/e2e/$d-also
+		mkdir -p "$out/procs"
+		step "e2e tests over rdma ($IP), device $d: e2e.test -test.run '$RBLK_VM_E2E_ALSO_RUN'"
+		rc=0
+		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
+			RBLK_E2E_LOG_DIR=$out/procs gotest "$out/e2e-test.log" "$BIN/e2e.test" -test.timeout=30m \
+			-test.parallel "${RBLK_VM_E2E_PARALLEL:-4}" -test.run "$RBLK_VM_E2E_ALSO_RUN" || rc=$?
+		verdict "e2e over rdma, device $d (only $RBLK_VM_E2E_ALSO_RUN)" "$out/e2e-test.log" "$rc" "$out/procs" strict >"$out/verdict.txt" || failed+="$d-also "
+		tee -a "$BIN/e2e-summary.txt" <"$out/verdict.txt"
+	fi
 	[ -z "$failed" ] || fail "the e2e suite over rdma failed on device(s): $failed(logs/e2e/DEVICE/e2e-test.log)"
 }
 
