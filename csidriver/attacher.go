@@ -107,18 +107,25 @@ type attachRecord struct {
 	Args    []string `json:"args,omitempty"`
 }
 
-func (a *RBLKAttacher) recordPath(id string) string {
+// recordFile is the record of volume id in dir: PREFIX-HASH.json (a
+// hash: IDs hold '/').
+func recordFile(dir, prefix, id string) string {
 	sum := sha256.Sum256([]byte(id))
-	return filepath.Join(a.StateDir, "csi-"+hex.EncodeToString(sum[:12])+".json")
+	return filepath.Join(dir, prefix+"-"+hex.EncodeToString(sum[:12])+".json")
 }
 
+// readJSON reads the record at path into v (at most 64 KiB, no symlink
+// followed); false when there is none, or not one of JSON.
+func readJSON(path string, v any) bool {
+	b, _, err := safeopen.ReadFile(path, 64<<10)
+	return err == nil && json.Unmarshal(b, v) == nil
+}
+
+func (a *RBLKAttacher) recordPath(id string) string { return recordFile(a.StateDir, "csi", id) }
+
 func (a *RBLKAttacher) read(id string) (*attachRecord, bool) {
-	b, _, err := safeopen.ReadFile(a.recordPath(id), 64<<10)
-	if err != nil {
-		return nil, false
-	}
 	var r attachRecord
-	if json.Unmarshal(b, &r) != nil || r.VolumeID != id {
+	if !readJSON(a.recordPath(id), &r) || r.VolumeID != id {
 		return nil, false
 	}
 	return &r, true
@@ -297,12 +304,8 @@ func (a *RBLKAttacher) Recover(ctx context.Context) (int, error) {
 	n := 0
 	var errs []error
 	for _, name := range names {
-		b, _, err := safeopen.ReadFile(name, 64<<10)
-		if err != nil {
-			continue
-		}
 		var r attachRecord
-		if json.Unmarshal(b, &r) != nil || r.VolumeID == "" || a.recordPath(r.VolumeID) != name || !a.adoptable(&r) {
+		if !readJSON(name, &r) || r.VolumeID == "" || a.recordPath(r.VolumeID) != name || !a.adoptable(&r) {
 			continue
 		}
 		if _, err := a.adopt(ctx, &r); err != nil {

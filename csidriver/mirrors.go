@@ -2,9 +2,6 @@ package csidriver
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -17,7 +14,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"go.uber.org/zap"
 
-	"github.com/rblk/rblk/internal/safeopen"
 	"github.com/rblk/rblk/mirror"
 )
 
@@ -88,10 +84,7 @@ func mirrorOf(id string) (volumeID, bool) {
 	return vid, err == nil && vid.Mirror()
 }
 
-func (m *MirrorAttacher) recordPath(id string) string {
-	sum := sha256.Sum256([]byte(id))
-	return filepath.Join(m.A.StateDir, "mirror-"+hex.EncodeToString(sum[:12])+".json")
-}
+func (m *MirrorAttacher) recordPath(id string) string { return recordFile(m.A.StateDir, "mirror", id) }
 
 // legs are the copies of mirror id: its context's first copy, then the
 // second (CtxMirror*).
@@ -321,12 +314,8 @@ func (m *MirrorAttacher) Grow(ctx context.Context, id string, want int64) (int64
 }
 
 func (m *MirrorAttacher) readRecord(id string) (*mirrorRecord, bool) {
-	b, _, err := safeopen.ReadFile(m.recordPath(id), 64<<10)
-	if err != nil {
-		return nil, false
-	}
 	var r mirrorRecord
-	if json.Unmarshal(b, &r) != nil || r.VolumeID != id {
+	if !readJSON(m.recordPath(id), &r) || r.VolumeID != id {
 		return nil, false
 	}
 	return &r, true
@@ -342,12 +331,8 @@ func (m *MirrorAttacher) Resume() (int, error) {
 	}
 	n := 0
 	for _, name := range names {
-		b, _, err := safeopen.ReadFile(name, 64<<10)
-		if err != nil {
-			continue
-		}
 		var r mirrorRecord
-		if json.Unmarshal(b, &r) != nil || m.recordPath(r.VolumeID) != name {
+		if !readJSON(name, &r) || m.recordPath(r.VolumeID) != name {
 			continue
 		}
 		vid, ok := mirrorOf(r.VolumeID)
