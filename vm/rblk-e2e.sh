@@ -530,7 +530,11 @@ scen_bench() {
 		mdadm --create /dev/md/rblk-bench --run --level=1 --raid-devices=2 --metadata=1.2 --bitmap="${BENCH_MIRROR_BITMAP:-internal}" \
 			--name=rblk-bench --assume-clean --data-offset=4096K "${m_devs[@]}" >"$LOGS/mdadm-bench.log" 2>&1 ||
 			fail "mdadm --create: $(tail -n 3 "$LOGS/mdadm-bench.log")"
-		mdev=$(readlink -f /dev/md/rblk-bench)
+		# The array is its members' holder: /dev/md/NAME may not be there
+		# (after the udev scenario, udevd runs without mdadm's rules, and
+		# mdadm leaves the link to it: "timeout waiting for /dev/md/...").
+		mdev=/dev/$(ls "/sys/block/${m_devs[0]#/dev/}/holders/" 2>/dev/null | head -n 1)
+		[ -b "$mdev" ] && [ -d "/sys/block/${mdev#/dev/}/md" ] || fail "the mirror's md device: none holds ${m_devs[0]}"
 	fi
 	# The NBD front end's floor: a /dev/nbdN like rblk's (as many
 	# connections, 4 KiB blocks) on nbdkit's null plugin, nothing behind it.
@@ -614,7 +618,7 @@ scen_bench() {
 		RBLKD=$u_rblkd stop_rblkd
 	fi
 	if [ -n "$mdev" ]; then
-		mdadm --stop /dev/md/rblk-bench >>"$LOGS/mdadm-bench.log" 2>&1 || fail "mdadm --stop: $(tail -n 3 "$LOGS/mdadm-bench.log")"
+		mdadm --stop "$mdev" >>"$LOGS/mdadm-bench.log" 2>&1 || fail "mdadm --stop: $(tail -n 3 "$LOGS/mdadm-bench.log")"
 		for i in 0 1; do
 			DEV=${m_devs[i]} APID=${m_apids[i]} detach
 			RBLKD=${m_rblkds[i]} stop_rblkd
