@@ -95,11 +95,16 @@ func (m *MirrorAttacher) legs(id string, volCtx map[string]string) []*Leg {
 		args = DefaultMirrorArgs
 	}
 	a.Args = append(append([]string{}, args...), m.A.Args...)
+	ids := legIDs(id)
 	return []*Leg{
-		{A: &a, ID: id + "#0", VolCtx: map[string]string{CtxAddress: volCtx[CtxAddress], CtxExport: volCtx[CtxExport], CtxTransport: volCtx[CtxTransport]}},
-		{A: &a, ID: id + "#1", VolCtx: map[string]string{CtxAddress: volCtx[CtxMirrorAddress], CtxExport: volCtx[CtxMirrorExport], CtxTransport: volCtx[CtxMirrorTransport]}},
+		{A: &a, ID: ids[0], VolCtx: map[string]string{CtxAddress: volCtx[CtxAddress], CtxExport: volCtx[CtxExport], CtxTransport: volCtx[CtxTransport]}},
+		{A: &a, ID: ids[1], VolCtx: map[string]string{CtxAddress: volCtx[CtxMirrorAddress], CtxExport: volCtx[CtxMirrorExport], CtxTransport: volCtx[CtxMirrorTransport]}},
 	}
 }
+
+// legIDs are the IDs the copies of mirror id are attached by (A's
+// records).
+func legIDs(id string) [2]string { return [2]string{id + "#0", id + "#1"} }
 
 // options are the mirror.Options of mirror vid over members.
 func (m *MirrorAttacher) options(vid volumeID, members []string) mirror.Options {
@@ -218,7 +223,7 @@ func (m *MirrorAttacher) Detach(ctx context.Context, id string) error {
 		m.Metrics.Untrack(o.Name)
 	}
 	var errs []error
-	for _, leg := range []string{id + "#0", id + "#1"} {
+	for _, leg := range legIDs(id) {
 		if err := m.A.Detach(ctx, leg); err != nil {
 			errs = append(errs, fmt.Errorf("mirror %s: detach copy: %w", id, err))
 		}
@@ -258,7 +263,7 @@ func (m *MirrorAttacher) Condition(id string) (Condition, bool) {
 	if err != nil {
 		return Condition{Health: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "NotAssembled", Message: err.Error()}, true
 	}
-	if st.Degraded == 0 && st.SyncAction != "resync" && st.SyncAction != "recover" {
+	if st.Degraded == 0 && !st.Resyncing() {
 		return Condition{}, false
 	}
 	var members []string
@@ -266,7 +271,7 @@ func (m *MirrorAttacher) Condition(id string) (Condition, bool) {
 		members = append(members, mb.Device+" "+mb.State)
 	}
 	var legs []string
-	for _, leg := range []string{id + "#0", id + "#1"} {
+	for _, leg := range legIDs(id) {
 		if c, bad := m.A.Condition(leg); bad {
 			legs = append(legs, c.Message)
 		}
@@ -275,7 +280,7 @@ func (m *MirrorAttacher) Condition(id string) (Condition, bool) {
 	if len(legs) > 0 {
 		detail += "; " + strings.Join(legs, "; ")
 	}
-	if done, total, running := st.Progress(); running && (st.SyncAction == "recover" || st.SyncAction == "resync") {
+	if done, total, running := st.Progress(); running && st.Resyncing() {
 		return Condition{Health: csi.VolumeHealthErrorType_DEGRADED, Reason: "Resyncing",
 			Message: fmt.Sprintf("md copies onto a member (%s): %.0f%% done, %d MiB to go; %s", st.SyncAction, 100*float64(done)/float64(total), (total-done)>>11, detail)}, true
 	}

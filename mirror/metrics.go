@@ -95,7 +95,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		}
 		done, total, running := st.Progress()
 		resync := 0.0
-		if st.SyncAction == "recover" || st.SyncAction == "resync" {
+		if st.Resyncing() {
 			resync = 1
 		}
 		ratio := 1.0

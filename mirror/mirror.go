@@ -342,6 +342,10 @@ func (m Member) InSync() bool {
 // Faulty reports whether md failed the member.
 func (m Member) Faulty() bool { return strings.Contains(m.State, "faulty") }
 
+// Resyncing reports whether md copies data onto a member (a recovery or
+// a resync; not a check).
+func (s *Status) Resyncing() bool { return s.SyncAction == "recover" || s.SyncAction == "resync" }
+
 // Healthy reports whether the array has every member in sync and no
 // resync running.
 func (s *Status) Healthy() bool { return s.Degraded == 0 && s.SyncAction == "idle" }
