@@ -31,8 +31,9 @@ type HandshakeLimits struct {
 	MaxPending int
 	// Dropped, if set, is told each stream dropped before its connect
 	// request reached Accept (DropTimeout, DropLimit), with the peer's
-	// address. It is called on the listener's goroutines and must not
-	// block.
+	// address, before the stream is closed: a peer that sees its stream
+	// closed can count on the report. It is called on the listener's
+	// goroutines and must not block.
 	Dropped func(reason DropReason, remote string)
 }
 

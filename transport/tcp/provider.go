@@ -382,10 +382,10 @@ func (l *listener) LimitHandshakes(lim transport.HandshakeLimits) {
 	dropped := l.dropped
 	l.mu.Unlock()
 	for _, sh := range over {
-		sh.nc.Close()
 		if dropped != nil {
 			dropped(transport.DropLimit, sh.nc.RemoteAddr().String())
 		}
+		sh.nc.Close()
 	}
 }
 
@@ -525,16 +525,16 @@ func (l *listener) acceptLoop() {
 		}
 		l.mu.Unlock()
 		if victim != nil {
-			victim.nc.Close()
 			if dropped != nil {
 				dropped(transport.DropEvicted, victim.nc.RemoteAddr().String())
 			}
+			victim.nc.Close()
 		}
 		if !admit {
-			nc.Close()
 			if dropped != nil {
 				dropped(transport.DropLimit, nc.RemoteAddr().String())
 			}
+			nc.Close()
 			continue
 		}
 		go l.handshake(sh)
