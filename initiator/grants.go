@@ -62,7 +62,7 @@ type grant struct {
 //
 // The caller's duties:
 //
-//   - Hold the volume's mutex (v.mu) across each call and while it reads a
+//   - Hold the session's mutex (s.mu) across each call and while it reads a
 //     grant's state (valid, refs, fetching). The chunk's address fields
 //     (off, addr, rkey, length) of a grant IO references do not change, so
 //     IO reads them without the mutex.

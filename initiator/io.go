@@ -16,9 +16,8 @@ import (
 // tryAcquire takes a reference on the grant of every chunk of idxs if all
 // of them are held and usable, and reports whether it did.
 func (s *session) tryAcquire(b *ioBuf, idxs []uint64, write bool) bool {
-	v := s.v
-	v.mu.Lock()
-	defer v.mu.Unlock()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	var ok bool
 	b.grants, ok = s.grants.tryAcquire(idxs, write, b.grants)
 	return ok
@@ -31,16 +30,16 @@ func (s *session) tryAcquire(b *ioBuf, idxs []uint64, write bool) bool {
 // a revoke of it can take effect.
 func (s *session) acquire(ctx context.Context, b *ioBuf, idxs []uint64, write bool) error {
 	v := s.v
-	v.mu.Lock()
+	s.mu.Lock()
 	for {
 		var st acquireStep
 		b.grants, st = s.grants.acquire(idxs, write, b.grants)
 		switch st.kind {
 		case acquired:
-			v.mu.Unlock()
+			s.mu.Unlock()
 			return nil
 		case waitFetch:
-			v.mu.Unlock()
+			s.mu.Unlock()
 			select {
 			case <-st.wait:
 			case <-ctx.Done():
@@ -48,22 +47,22 @@ func (s *session) acquire(ctx context.Context, b *ioBuf, idxs []uint64, write bo
 			case <-s.link.Done():
 				return s.link.Err()
 			}
-			v.mu.Lock()
+			s.mu.Lock()
 			continue
 		}
-		v.mu.Unlock()
+		s.mu.Unlock()
 		if st.replaced {
 			v.m.grantsHeld.Dec() // replaced by a writable one
 		}
 		gr, err := s.fetch(ctx, st.idx)
-		v.mu.Lock()
+		s.mu.Lock()
 		if err != nil {
 			s.grants.fetchFailed(st.grant)
-			v.mu.Unlock()
+			s.mu.Unlock()
 			return err
 		}
 		if err := s.grants.fetched(st.grant, &gr); err != nil {
-			v.mu.Unlock()
+			s.mu.Unlock()
 			s.protocolError(err)
 			return protocol.ErrProtocol
 		}
@@ -93,12 +92,11 @@ func (s *session) fetch(ctx context.Context, idx uint64) (protocol.Grant, error)
 
 // releaseGrants gives back the references b holds.
 func (s *session) releaseGrants(b *ioBuf) {
-	v := s.v
-	v.mu.Lock()
+	s.mu.Lock()
 	if s.grants.release(b.grants) {
-		v.cond.Broadcast()
+		s.cond.Broadcast()
 	}
-	v.mu.Unlock()
+	s.mu.Unlock()
 	clear(b.grants)
 	b.grants = b.grants[:0]
 }

@@ -130,12 +130,13 @@ func (set *queueSet) teardown() {
 const byChunk = -1
 
 // queueFor returns queue q (modulo the queues), or with byChunk the queue
-// of the chunk that holds off; nil while reconnecting. v.mu is held.
+// of the chunk that holds off; nil while reconnecting. It takes no lock.
 func (v *Volume) queueFor(q int, off uint64) *session {
-	if v.set == nil {
+	set := v.set.Load()
+	if set == nil {
 		return nil
 	}
-	qs := v.set.qs
+	qs := set.qs
 	switch {
 	case len(qs) == 1:
 		return qs[0]
@@ -213,16 +214,18 @@ func (set *queueSet) drain(v *Volume) {
 		close(set.draining)
 		defer close(set.drained)
 		v.log.Info("target is shutting down: finishing IO in flight and flushing", zap.String("target", v.opts.Target))
-		v.mu.Lock()
 		for _, s := range set.qs {
+			s.mu.Lock()
 			s.draining = true
+			s.mu.Unlock()
 		}
 		for _, s := range set.qs {
+			s.mu.Lock()
 			for s.inflight > 0 && s.link.Err() == nil {
-				v.cond.Wait()
+				s.cond.Wait()
 			}
+			s.mu.Unlock()
 		}
-		v.mu.Unlock()
 		writes := v.writes.Load()
 		if err := set.flush(context.Background(), v); err == nil {
 			v.mu.Lock()
@@ -267,13 +270,21 @@ func (set *queueSet) up() bool {
 	return true
 }
 
-// usable reports whether IO may start on every queue: links up, no drain.
-// v.mu is held.
-func (set *queueSet) usable() bool {
-	for _, s := range set.qs {
-		if s.draining || s.link.Err() != nil {
+// holdAll takes a hold on every queue if IO may start on each (links up,
+// no drain), and reports whether it did: all or none.
+func (set *queueSet) holdAll() bool {
+	for i, s := range set.qs {
+		s.mu.Lock()
+		if !s.usableLocked() {
+			for _, o := range set.qs[:i+1] {
+				o.mu.Unlock()
+			}
 			return false
 		}
+	}
+	for _, s := range set.qs {
+		s.inflight++
+		s.mu.Unlock()
 	}
 	return true
 }

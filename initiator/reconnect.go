@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -36,7 +37,7 @@ func (v *Volume) supervise(set *queueSet) {
 		}
 		s := set.qs[0]
 		v.mu.Lock()
-		v.set = nil
+		v.set.Store(nil)
 		v.mu.Unlock()
 		v.m.sessions.Set(0)
 		if err := v.Err(); err != nil {
@@ -102,7 +103,7 @@ func (v *Volume) supervise(set *queueSet) {
 		if unflushed && !sameTarget {
 			v.lost = true
 		}
-		v.set = ns
+		v.set.Store(ns)
 		close(v.changed)
 		v.changed = make(chan struct{})
 		v.mu.Unlock()
@@ -125,34 +126,36 @@ func (v *Volume) supervise(set *queueSet) {
 // down (and closed: what is in flight on them ends), at most IOTimeout,
 // and reports whether none does.
 func (v *Volume) settle(set *queueSet) bool {
-	expired := false
+	var expired atomic.Bool
 	timer := time.AfterFunc(v.opts.IOTimeout, func() {
-		v.mu.Lock()
-		expired = true
-		v.cond.Broadcast()
-		v.mu.Unlock()
+		expired.Store(true)
+		for _, s := range set.qs {
+			s.mu.Lock()
+			s.cond.Broadcast()
+			s.mu.Unlock()
+		}
 	})
 	defer timer.Stop()
-	v.mu.Lock()
-	defer v.mu.Unlock()
 	for _, s := range set.qs {
+		s.mu.Lock()
 		s.down = true
+		s.mu.Unlock()
 	}
-	for {
-		held := 0
-		for _, s := range set.qs {
-			held += s.inflight
+	held := 0
+	for _, s := range set.qs {
+		s.mu.Lock()
+		for s.inflight > 0 && !expired.Load() {
+			s.cond.Wait()
 		}
-		if held == 0 {
-			return true
-		}
-		if expired {
-			v.log.Warn("operations still hold the lost connection: writes since the last flush are taken as unflushed",
-				zap.Int("operations", held), zap.Duration("waited", v.opts.IOTimeout))
-			return false
-		}
-		v.cond.Wait()
+		held += s.inflight
+		s.mu.Unlock()
 	}
+	if held > 0 {
+		v.log.Warn("operations still hold the lost connection: writes since the last flush are taken as unflushed",
+			zap.Int("operations", held), zap.Duration("waited", v.opts.IOTimeout))
+		return false
+	}
+	return true
 }
 
 // reconnect dials until it succeeds, the timeout passes or the volume closes.
@@ -215,7 +218,7 @@ func (v *Volume) reconnect() (*queueSet, error) {
 func (v *Volume) startFastFail(gen uint64, waited time.Duration) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	if gen != v.downs || v.set != nil || v.failed != nil {
+	if gen != v.downs || v.set.Load() != nil || v.failed != nil {
 		return // back already, or lost again since (another timer), or ended
 	}
 	v.fastFailing = true
@@ -235,6 +238,7 @@ func (v *Volume) fail(err error) {
 		return
 	}
 	v.failed = err
+	v.dead.Store(true)
 	close(v.done)
 	close(v.changed)
 	v.changed = make(chan struct{})
@@ -247,10 +251,27 @@ func (v *Volume) fail(err error) {
 // waiting while reconnecting. The caller calls put when it no longer uses
 // it.
 func (v *Volume) current(ctx context.Context, q int, off uint64) (*session, error) {
+	// The usual case, without the volume's lock: up, and not failed.
+	if s := v.queueFor(q, off); s != nil && !v.dead.Load() {
+		s.mu.Lock()
+		ok := s.usableLocked()
+		if ok {
+			s.inflight++
+		}
+		s.mu.Unlock()
+		if ok {
+			return s, nil
+		}
+	}
 	var s *session
 	err := v.waitUp(ctx, func() bool {
 		s = v.queueFor(q, off)
-		if s == nil || s.draining || s.link.Err() != nil {
+		if s == nil {
+			return false
+		}
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if !s.usableLocked() {
 			return false
 		}
 		s.inflight++
@@ -264,14 +285,8 @@ func (v *Volume) current(ctx context.Context, q int, off uint64) (*session, erro
 func (v *Volume) currentSet(ctx context.Context) (*queueSet, error) {
 	var set *queueSet
 	err := v.waitUp(ctx, func() bool {
-		set = v.set
-		if set == nil || !set.usable() {
-			return false
-		}
-		for _, s := range set.qs {
-			s.inflight++
-		}
-		return true
+		set = v.set.Load()
+		return set != nil && set.holdAll()
 	})
 	return set, err
 }
@@ -308,23 +323,13 @@ func (v *Volume) waitUp(ctx context.Context, take func() bool) error {
 }
 
 func (v *Volume) put(s *session) {
-	v.mu.Lock()
-	v.release(s)
-	v.mu.Unlock()
+	s.mu.Lock()
+	s.releaseLocked()
+	s.mu.Unlock()
 }
 
 func (v *Volume) putSet(set *queueSet) {
-	v.mu.Lock()
 	for _, s := range set.qs {
-		v.release(s)
-	}
-	v.mu.Unlock()
-}
-
-// release ends a hold on s. v.mu is held.
-func (v *Volume) release(s *session) {
-	s.inflight--
-	if s.inflight == 0 && (s.draining || s.down) {
-		v.cond.Broadcast()
+		v.put(s)
 	}
 }

@@ -24,16 +24,36 @@ type session struct {
 	link   *link.Link
 	region transport.Region // the IO buffers, registered on this connection
 	info   protocol.VolumeInfo
-	grants grantTable     // guarded by v.mu
 	wg     sync.WaitGroup // revoke and drain goroutines
+
+	// mu guards the queue's IO state: its grants, the operations using
+	// it, draining and down. It is the only lock IO takes on its way
+	// (submit), so that queues share none. Lock order: the volume's mu
+	// before a session's, and the sessions of a queueSet in their order.
+	mu       sync.Mutex
+	cond     sync.Cond  // on mu: a grant's references or inflight dropped to zero
+	grants   grantTable // (mu)
+	inflight int        // operations using the session (mu)
+	draining bool       // the target is shutting down: no new operations (mu)
+	down     bool       // lost: supervise waits for inflight to drop to 0 (mu)
 
 	set atomic.Pointer[queueSet] // the queues of its session, itself among them
 	// withInstance: its Open carried the volume's instance (the target
 	// offered protocol.FeatureOpenInstance).
 	withInstance bool
-	inflight     int  // operations using the session (v.mu)
-	draining     bool // the target is shutting down: no new operations (v.mu)
-	down         bool // lost: supervise waits for inflight to drop to 0 (v.mu)
+}
+
+// usableLocked reports whether new IO may start on s. s.mu is held.
+func (s *session) usableLocked() bool {
+	return !s.draining && !s.down && s.link.Err() == nil
+}
+
+// releaseLocked ends a hold on s. s.mu is held.
+func (s *session) releaseLocked() {
+	s.inflight--
+	if s.inflight == 0 && (s.draining || s.down) {
+		s.cond.Broadcast()
+	}
 }
 
 // dialTimeout bounds one connection attempt: a connect request lost on a
@@ -84,6 +104,7 @@ func (v *Volume) connect(ctx context.Context, takeover bool) (*session, error) {
 // registers the IO buffers.
 func (v *Volume) dial(ctx context.Context, open func(s *session) error) (*session, error) {
 	s := &session{v: v}
+	s.cond.L = &s.mu
 	dctx, cancel := context.WithTimeout(ctx, min(dialTimeout, v.opts.IOTimeout))
 	l, err := link.Dial(dctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
 		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
@@ -126,9 +147,9 @@ func (s *session) teardown() {
 	s.link.Close()
 	s.wg.Wait()
 	s.region.Deregister()
-	s.v.mu.Lock()
+	s.mu.Lock()
 	s.v.m.grantsHeld.Sub(float64(s.grants.teardown()))
-	s.v.mu.Unlock()
+	s.mu.Unlock()
 }
 
 // handle runs on the link's completion goroutine.
@@ -196,26 +217,26 @@ func (s *session) protocolError(err error) {
 func (s *session) revoke(tag uint64, r *protocol.Revoke) {
 	v := s.v
 	v.m.revokes.Inc()
-	v.mu.Lock()
+	s.mu.Lock()
 	// The Revoke may overtake the reply of a grant being fetched: wait for
 	// the fetch to finish before deciding whether this generation is held.
 	st := s.grants.revoke(r.Offset, r.Generation, false)
 	for st.wait != nil {
-		v.mu.Unlock()
+		s.mu.Unlock()
 		select {
 		case <-st.wait:
 		case <-s.link.Done():
 		}
-		v.mu.Lock()
+		s.mu.Lock()
 		st = s.grants.revoke(r.Offset, r.Generation, s.link.Err() != nil)
 	}
 	if st.drain != nil {
 		v.m.grantsHeld.Dec()
 		for !s.grants.drained(st.drain) {
-			v.cond.Wait()
+			s.cond.Wait()
 		}
 	}
-	v.mu.Unlock()
+	s.mu.Unlock()
 	ack := protocol.RevokeAck{Handle: r.Handle, Offset: r.Offset, Generation: r.Generation}
 	if err := s.link.Send(context.Background(), tag, &ack); err != nil && s.link.Err() == nil {
 		v.log.Warn("revoke ack", zap.Error(err))

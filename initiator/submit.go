@@ -59,20 +59,27 @@ func (v *Volume) submit(ctx context.Context, b *ioBuf, q int, off uint64, write,
 func (v *Volume) start(b *ioBuf, n uint64) bool {
 	off, write := b.off, b.write
 	v.plan(b, off, n)
-	v.mu.Lock()
+	if v.dead.Load() {
+		return false
+	}
 	s := v.queueFor(b.q, off)
-	if v.failed != nil || s == nil || s.draining || s.link.Err() != nil {
-		v.mu.Unlock()
+	if s == nil {
+		return false
+	}
+	// Only the queue's own lock: queues share nothing on this path.
+	s.mu.Lock()
+	if !s.usableLocked() {
+		s.mu.Unlock()
 		return false
 	}
 	var ok bool
 	b.grants, ok = s.grants.tryAcquire(b.idxs, write, b.grants)
 	if !ok {
-		v.mu.Unlock()
+		s.mu.Unlock()
 		return false
 	}
 	s.inflight++
-	v.mu.Unlock()
+	s.mu.Unlock()
 	s.ops(b, off, off, off+n, write)
 	var msg protocol.Message
 	if write {
@@ -93,12 +100,12 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 
 // finish gives back the references of b's grants and its hold on s.
 func (v *Volume) finish(s *session, b *ioBuf) {
-	v.mu.Lock()
+	s.mu.Lock()
 	if s.grants.release(b.grants) {
-		v.cond.Broadcast()
+		s.cond.Broadcast()
 	}
-	v.release(s)
-	v.mu.Unlock()
+	s.releaseLocked()
+	s.mu.Unlock()
 	clear(b.grants)
 	b.grants = b.grants[:0]
 }

@@ -154,12 +154,15 @@ type Volume struct {
 	mem    *transport.Memory
 	pool   *bufPool
 
+	// mu guards the volume's state; no IO takes it on its way (submit),
+	// which takes its queue's (session.mu) alone. Lock order: mu before
+	// a session's.
 	mu      sync.Mutex
-	cond    *sync.Cond    // signalled when a grant's refs drop to zero
-	set     *queueSet     // the session's queues; nil while reconnecting
-	changed chan struct{} // closed and replaced when sess changes
-	failed  error         // set when the volume gave up or was closed
-	done    chan struct{} // closed with failed
+	set     atomic.Pointer[queueSet] // the session's queues; nil while reconnecting (stored with mu held)
+	changed chan struct{}            // closed and replaced when set changes
+	failed  error                    // set when the volume gave up or was closed
+	dead    atomic.Bool              // failed is set: read by IO without mu
+	done    chan struct{}            // closed with failed
 
 	writes    atomic.Uint64 // writes acknowledged, counted while their session is held
 	flushedAt uint64        // writes covered by the last successful flush (mu)
@@ -240,7 +243,6 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	}
 	v := &Volume{opts: opts, log: opts.Logger, m: opts.Metrics, changed: make(chan struct{}),
 		done: make(chan struct{}), stop: make(chan struct{}), superDone: make(chan struct{})}
-	v.cond = sync.NewCond(&v.mu)
 	mem, err := transport.AllocMemory(opts.PoolSize, true) // huge pages where there are
 	if err != nil {
 		return nil, fmt.Errorf("open volume %q: IO buffers: %w", opts.Export, err)
@@ -255,7 +257,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 	v.info = s.info
 	v.grew(s.info.VolumeSize)
 	set := v.join(ctx, s)
-	v.set = set
+	v.set.Store(set)
 	v.m.sessions.Set(1)
 	transportInfo := opts.Provider.Name()
 	if di, ok := s.link.Conn().(interface{ DeviceInfo() string }); ok {
@@ -322,7 +324,7 @@ func (v *Volume) Close(ctx context.Context) error {
 	v.closeOnce.Do(func() {
 		var errs []error
 		v.mu.Lock()
-		set, failed := v.set, v.failed
+		set, failed := v.set.Load(), v.failed
 		v.mu.Unlock()
 		if failed == nil && set != nil && set.up() {
 			if !v.ReadOnly() {
@@ -344,8 +346,7 @@ func (v *Volume) Close(ctx context.Context) error {
 		close(v.stop)
 		<-v.superDone
 		v.mu.Lock()
-		set = v.set
-		v.set = nil
+		set = v.set.Swap(nil)
 		v.mu.Unlock()
 		if set != nil {
 			set.teardown()
