@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rblk/rblk/initiator/blockdev"
@@ -23,8 +24,20 @@ const (
 )
 
 // bufPool lends memory for IO, registered on each session's connection.
+//
+// Every queue shares it: a queue takes and gives back its buffers of the
+// two small classes through a cache of its own (allocQ, releaseQ), so that
+// queues do not meet on the pool's lock for each request. A cache holds
+// at most cacheLimit buffers of each class, and only while nobody waits
+// for a slot: whoever is about to wait first takes every cached buffer
+// back into the pool (reclaim), so that memory stashed by one queue never
+// starves another.
 type bufPool struct {
 	mem []byte
+
+	caches     []bufCache
+	cacheLimit int          // buffers of each class one cache holds at most
+	waiting    atomic.Int32 // allocs waiting for a slot: caches take nothing in
 
 	mu      sync.Mutex
 	cond    *sync.Cond
@@ -57,10 +70,21 @@ type ioBuf struct {
 	start      time.Time
 }
 
+// bufCache is one queue's free buffers of the small and middle classes,
+// each with its slot: see bufPool.
+type bufCache struct {
+	mu    sync.Mutex
+	small []*ioBuf
+	mid   []*ioBuf
+	_     [64]byte // (a cache line of its own: queues run on different cores)
+}
+
 // newBufPool carves mem into the size classes: the big class gets three
 // quarters, and at least MaxRequest when mem has it; the rest goes a
-// quarter to 4 KiB slots and three quarters to 64 KiB slots.
-func newBufPool(mem []byte) *bufPool {
+// quarter to 4 KiB slots and three quarters to 64 KiB slots. It has a
+// cache for each of queues queues; each may hold up to an eighth of a
+// class's slots over all the caches, 64 at most.
+func newBufPool(mem []byte, queues int) *bufPool {
 	p := &bufPool{mem: mem}
 	p.cond = sync.NewCond(&p.mu)
 	total := len(mem) / bigSlot * bigSlot
@@ -78,6 +102,9 @@ func newBufPool(mem []byte) *bufPool {
 	for off := big + small + mid - midSlot; off >= big+small; off -= midSlot {
 		p.mid = append(p.mid, off)
 	}
+	queues = max(queues, 1)
+	p.caches = make([]bufCache, queues)
+	p.cacheLimit = min(64, min(len(p.small), len(p.mid))/8/queues)
 	return p
 }
 
@@ -144,6 +171,13 @@ func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
 		b.Priv = b
 	}
 	if !p.tryTake(b, n) {
+		// Before waiting, what the queues' caches hold comes back;
+		// while anyone waits they keep nothing (releaseQ).
+		p.waiting.Add(1)
+		defer p.waiting.Add(-1)
+		p.mu.Unlock()
+		p.reclaim()
+		p.mu.Lock()
 		stop := context.AfterFunc(ctx, func() {
 			p.mu.Lock()
 			p.cond.Broadcast()
@@ -165,6 +199,13 @@ func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
 
 func (p *bufPool) release(b *ioBuf) {
 	p.mu.Lock()
+	p.putLocked(b)
+	p.cond.Broadcast()
+	p.mu.Unlock()
+}
+
+// putLocked returns b's slots and b to the pool. p.mu is held.
+func (p *bufPool) putLocked(b *ioBuf) {
 	switch b.class {
 	case smallSlot:
 		p.small = append(p.small, b.offs...)
@@ -174,13 +215,88 @@ func (p *bufPool) release(b *ioBuf) {
 		p.big = append(p.big, b.offs...)
 	}
 	b.offs = b.offs[:0]
+	b.reset()
+	p.freeBuf = append(p.freeBuf, b)
+}
+
+// reset clears the request b carried, keeping its slots.
+func (b *ioBuf) reset() {
 	clear(b.Segs)
 	b.Segs = b.Segs[:0]
 	clear(b.grants)
 	b.grants = b.grants[:0]
 	b.ops = b.ops[:0]
 	b.sess, b.comp, b.ctx = nil, nil, nil
-	p.freeBuf = append(p.freeBuf, b)
-	p.cond.Broadcast()
-	p.mu.Unlock()
+}
+
+// stack is the cache's free list for buffers of class.
+func (c *bufCache) stack(class int) *[]*ioBuf {
+	if class == smallSlot {
+		return &c.small
+	}
+	return &c.mid
+}
+
+// allocQ is alloc for queue q: a request of a small class takes a buffer
+// of its queue's cache when it has one, without the pool's lock.
+func (p *bufPool) allocQ(ctx context.Context, q, n int) (*ioBuf, error) {
+	if n > 0 && n <= midSlot {
+		class := midSlot
+		if n <= smallSlot {
+			class = smallSlot
+		}
+		c := &p.caches[q%len(p.caches)]
+		c.mu.Lock()
+		st := c.stack(class)
+		if k := len(*st); k > 0 {
+			b := (*st)[k-1]
+			(*st)[k-1] = nil
+			*st = (*st)[:k-1]
+			c.mu.Unlock()
+			b.Segs = append(b.Segs, p.mem[b.offs[0]:b.offs[0]+n])
+			return b, nil
+		}
+		c.mu.Unlock()
+	}
+	return p.alloc(ctx, n)
+}
+
+// releaseQ is release for queue q: a buffer of a small class goes to
+// its queue's cache while it has room and nobody waits for a slot.
+func (p *bufPool) releaseQ(q int, b *ioBuf) {
+	if len(b.offs) == 1 && (b.class == smallSlot || b.class == midSlot) {
+		c := &p.caches[q%len(p.caches)]
+		c.mu.Lock()
+		// (Read under c.mu: reclaim, which follows the waiter's count,
+		// takes c.mu after it, and so finds b here if it went in.)
+		if st := c.stack(b.class); len(*st) < p.cacheLimit && p.waiting.Load() == 0 {
+			b.reset()
+			*st = append(*st, b)
+			c.mu.Unlock()
+			return
+		}
+		c.mu.Unlock()
+	}
+	p.release(b)
+}
+
+// reclaim takes back into the pool every buffer the caches hold.
+func (p *bufPool) reclaim() {
+	for i := range p.caches {
+		c := &p.caches[i]
+		c.mu.Lock()
+		if len(c.small)+len(c.mid) > 0 {
+			p.mu.Lock()
+			for _, st := range []*[]*ioBuf{&c.small, &c.mid} {
+				for j, b := range *st {
+					p.putLocked(b)
+					(*st)[j] = nil
+				}
+				*st = (*st)[:0]
+			}
+			p.cond.Broadcast()
+			p.mu.Unlock()
+		}
+		c.mu.Unlock()
+	}
 }

@@ -163,10 +163,18 @@ var (
 	_ blockdev.Submitter = (*queueView)(nil)
 )
 
+// Alloc takes a buffer through the queue's cache (bufPool.allocQ).
 func (qv *queueView) Alloc(ctx context.Context, n int) (*blockdev.Buffer, error) {
-	return qv.v.Alloc(ctx, n)
+	b, err := qv.v.pool.allocQ(ctx, qv.q, n)
+	if err != nil {
+		return nil, err
+	}
+	return &b.Buffer, nil
 }
-func (qv *queueView) Free(b *blockdev.Buffer)         { qv.v.Free(b) }
+
+// Free gives a buffer back through the queue's cache.
+func (qv *queueView) Free(b *blockdev.Buffer) { qv.v.pool.releaseQ(qv.q, b.Priv.(*ioBuf)) }
+
 func (qv *queueView) Flush(ctx context.Context) error { return qv.v.Flush(ctx) }
 
 func (qv *queueView) ReadAt(ctx context.Context, nb *blockdev.Buffer, off uint64) error {

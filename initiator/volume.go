@@ -248,7 +248,7 @@ func Open(ctx context.Context, opts Options) (*Volume, error) {
 		return nil, fmt.Errorf("open volume %q: IO buffers: %w", opts.Export, err)
 	}
 	v.mem = mem
-	v.pool = newBufPool(mem.Bytes())
+	v.pool = newBufPool(mem.Bytes(), opts.Queues)
 	s, err := v.connect(ctx, v.opts.Takeover)
 	if err != nil {
 		mem.Free()
