@@ -5,7 +5,8 @@
 #                                    a line to CSV (header written if CSV is
 #                                    new): name,device,job,rep,iops,bw_MBps,
 #                                    lat_mean_us,lat_p99_us,ios_all,
-#                                    cpu_busy_ticks,cpu_us_per_io
+#                                    cpu_busy_ticks,cpu_us_per_io,
+#                                    target_us_per_io,kthread_us_per_io
 #   fio_all NAME DEVICE CSV [REP]    run every job of $FIO_JOBS in order
 #   fio_interleaved CSV NAME=DEV[=JOB,JOB...]...
 #                                    every job of $FIO_JOBS on every device,
@@ -25,6 +26,12 @@
 #                                    per IO as a share of NAME's (medians):
 #                                    how much of NAME's cost its front end
 #                                    alone has (FLOOR "nbd null", NAME "rblk")
+#   fio_check CSV WHAT B A MIN JOB...
+#                                    a target: B's IOPS at least MIN times A's
+#                                    on each JOB (medians); prints a line per
+#                                    job, "met" or "MISSED"; MIN prefixed
+#                                    with "tgt<" instead: B's target CPU per
+#                                    IO under MIN times A's
 #   fio_json CSV                     the CSV as a JSON array of objects
 #   fio_floors JSON                  the fabric's floor on $RBLK_VM_RDMA_DEV:
 #                                    perftest's ib_read_lat (4 KiB, QD1) and
@@ -48,12 +55,20 @@
 # (user+nice+system+irq+softirq) over the whole fio run, divided by the IOs
 # of both groups: the same measure for every device, and one that counts
 # the kernel's work (nvmet, nbd, rxe) which no process's accounting shows.
+# Target CPU per IO: the CPU time of the device's target over the same
+# span, per IO, where the caller says what that is: if it defines
+# fio_target_us NAME (prints the CPU time in microseconds used so far by
+# the target of the device named NAME, nothing if none; _proc_us and
+# _kthread_us help), its difference; otherwise empty. Kernel threads' CPU
+# per IO (kthread_us_per_io): the CPU time of every kernel thread (the
+# children of kthreadd), per IO: where a kernel target
+# (nvmet) and Soft-RoCE (rxe) do their work, besides softirqs.
 # Settings: FIO_RUNTIME (seconds, default 7), FIO_RAMP (default 1), FIO_REPS
 # (default 2), FIO_OUTDIR (fio's JSON and text output; default /tmp/fio-out).
 # Figures under software emulation only mean something as ratios within one run.
 
 FIO_JOBS=${FIO_JOBS:-"randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 randrw-4k-qd32 randread-4k-qd16x2 read-1m-qd8 write-1m-qd8"}
-FIO_CSV_HEADER="name,device,job,rep,iops,bw_MBps,lat_mean_us,lat_p99_us,ios_all,cpu_busy_ticks,cpu_us_per_io"
+FIO_CSV_HEADER="name,device,job,rep,iops,bw_MBps,lat_mean_us,lat_p99_us,ios_all,cpu_busy_ticks,cpu_us_per_io,target_us_per_io,kthread_us_per_io"
 
 # fio_job_args JOB: the fio options of a named job.
 fio_job_args() {
@@ -74,21 +89,42 @@ fio_job_args() {
 # _cpu_busy: busy clock ticks of all CPUs since boot (/proc/stat).
 _cpu_busy() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
 
+# _kthread_us: the CPU time (user + system) in microseconds used by the
+# kernel's threads alive now: kthreadd's children (a kernel thread's name
+# has no blank, so the fields of its stat line are where they should be).
+_kthread_us() {
+	awk -v hz="$(getconf CLK_TCK)" '$4 == 2 { s += $14 + $15 } END { printf "%.0f\n", s * 1e6 / hz }' /proc/[0-9]*/stat 2>/dev/null
+}
+
+# _proc_us PID...: the CPU time in microseconds used by the processes PID,
+# every thread (the scheduler's own account, /proc/PID/task/*/schedstat,
+# in nanoseconds: clock ticks are too coarse for a target that is meant
+# to do almost nothing).
+_proc_us() {
+	local p
+	for p in "$@"; do cat /proc/"$p"/task/*/schedstat 2>/dev/null; done | awk '{ s += $1 } END { printf "%.0f\n", s / 1000 }'
+}
+
+# _target_us NAME: fio_target_us NAME if the caller defined it.
+_target_us() { if declare -F fio_target_us >/dev/null; then fio_target_us "$1"; fi; }
+
 fio_run() {
 	local name=${1:?usage: fio_run NAME DEVICE JOB CSV [REP]} dev=${2:?} job=${3:?} csv=${4:?} rep=${5:-1}
-	local args out rc line c0 c1 groups=()
+	local args out rc line c0 c1 t0 t1 k0 k1 groups=()
 	args=$(fio_job_args "$job") || return 1
 	local outdir=${FIO_OUTDIR:-/tmp/fio-out}
 	mkdir -p "$outdir"
 	out=$outdir/$(echo "$name-$(basename "$dev")-$job-rep$rep" | tr -c 'A-Za-z0-9._\n-' _)
 	if [ "${FIO_RAMP:-1}" != 0 ]; then groups+=(--name=warm --time_based --runtime="${FIO_RAMP:-1}"); fi
 	groups+=(--name=measure --stonewall --time_based --runtime="${FIO_RUNTIME:-7}")
+	t0=$(_target_us "$name") k0=$(_kthread_us)
 	c0=$(_cpu_busy)
 	# shellcheck disable=SC2086 # args is a list of options
 	fio --filename="$dev" --ioengine=libaio --direct=1 --group_reporting --lat_percentiles=1 $args \
 		"${groups[@]}" --output-format=json --output="$out.json" >"$out.txt" 2>&1
 	rc=$?
 	c1=$(_cpu_busy)
+	t1=$(_target_us "$name") k1=$(_kthread_us)
 	if [ $rc -ne 0 ] || ! jq -e '.jobs[0]' "$out.json" >/dev/null 2>&1; then
 		echo "fio_run: $job on $dev failed (fio exit $rc)" >&2
 		cat "$out.txt" >&2
@@ -99,7 +135,9 @@ fio_run() {
 	# weighted by the number of I/Os of each direction; p99: the larger of
 	# both directions'.
 	line=$(jq -r --arg name "$name" --arg dev "$dev" --arg job "$job" --argjson rep "$rep" \
-		--argjson ticks "$((c1 - c0))" --argjson hz "$(getconf CLK_TCK)" '
+		--argjson ticks "$((c1 - c0))" --argjson hz "$(getconf CLK_TCK)" \
+		--argjson tus "$([ -n "$t0" ] && [ -n "$t1" ] && echo $((t1 - t0)) || echo null)" \
+		--argjson kus "$((k1 > k0 ? k1 - k0 : 0))" '
 		([.jobs[] | .read.total_ios + .write.total_ios] | add) as $all
 		| ([.jobs[] | select(.jobname == "measure")] + [.jobs[-1]])[0] as $j
 		| ($j.read.total_ios + $j.write.total_ios) as $n
@@ -111,7 +149,9 @@ fio_run() {
 		     else 0 end),
 		    ([$j.read, $j.write | select(.total_ios > 0) | .lat_ns.percentile["99.000000"] // 0] | max // 0 | . / 100 | round / 10),
 		    $all, $ticks,
-		    (if $all > 0 then ($ticks * 1e6 / $hz / $all * 10 | round / 10) else 0 end) ]
+		    (if $all > 0 then ($ticks * 1e6 / $hz / $all * 10 | round / 10) else 0 end),
+		    (if $all > 0 and $tus != null then ($tus / $all * 100 | round / 100) else "" end),
+		    (if $all > 0 then ($kus / $all * 10 | round / 10) else 0 end) ]
 		| map(tostring) | join(",")' "$out.json") || return 1
 	[ -s "$csv" ] || echo "$FIO_CSV_HEADER" >"$csv"
 	echo "$line" >>"$csv"
@@ -164,9 +204,10 @@ fio_table() {
 		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
 		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
 	}
-	function cell(k) {
+	function cell(k,    t) {
 		if (!(k in cnt)) return "-"
-		return sprintf("%7.0f IOPS %6.1f MB/s %7.0f us %6.0f cpu-us/IO", med(k, "iops"), med(k, "bw"), med(k, "lat"), med(k, "cpu"))
+		t = (tn[k] == cnt[k]) ? sprintf("%6.1f", med(k, "tgt")) : "     -"
+		return sprintf("%7.0f IOPS %6.1f MB/s %7.0f us %6.0f cpu-us/IO %s tgt", med(k, "iops"), med(k, "bw"), med(k, "lat"), med(k, "cpu"), t)
 	}
 	function r(x, y) { return ((x in cnt) && (y in cnt) && med(y, "iops") > 0) ? sprintf("%.2f", med(x, "iops") / med(y, "iops")) : "-" }
 	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
@@ -177,10 +218,11 @@ fio_table() {
 		i = ++cnt[k]
 		val[k, "iops", i] = $(col["iops"]); val[k, "bw", i] = $(col["bw_MBps"])
 		val[k, "lat", i] = $(col["lat_mean_us"]); val[k, "cpu", i] = ("cpu_us_per_io" in col) ? $(col["cpu_us_per_io"]) : 0
+		if (("target_us_per_io" in col) && $(col["target_us_per_io"]) != "") { val[k, "tgt", i] = $(col["target_us_per_io"]); tn[k]++ }
 		if (i > reps) reps = i
 	}
 	END {
-		w = 52; rw = length(B "/" A); rc = length(B "/" C)
+		w = 63; rw = length(B "/" A); rc = length(B "/" C)
 		nx = (X == "") ? 0 : split(X, xs, "|")
 		printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", "job", A, B, B "/" A
 		if (nx == 0) rc = 0 # (the last column: no padding)
@@ -198,7 +240,9 @@ fio_table() {
 			for (q = 1; q <= nx; q++) printf " | %-" w "s | %s", cell(xs[q] SUBSEP j), r(xs[q] SUBSEP j, ka)
 			printf "\n"
 		}
-		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO)\n", reps
+		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO;\n", reps
+		printf " tgt: the target\x27s CPU time per IO in us, rblkd\x27s process for rblk, all kernel threads\x27 for NVMe-oF:\n"
+		printf " nvmet\x27s work and Soft-RoCE\x27s of both sides, an upper bound of nvmet\x27s)\n"
 	}' "$csv"
 }
 
@@ -228,6 +272,41 @@ fio_share() {
 			printf "  %-20s latency %6.0f of %6.0f us (%s)   cpu %5.0f of %5.0f us/IO (%s)\n", jobs[i],
 				med(kf, "lat"), med(kb, "lat"), pct(med(kf, "lat"), med(kb, "lat")),
 				med(kf, "cpu"), med(kb, "cpu"), pct(med(kf, "cpu"), med(kb, "cpu"))
+		}
+	}' "$csv"
+}
+
+fio_check() {
+	local csv=${1:?usage: fio_check CSV WHAT B A MIN JOB...} what=${2:?} b=${3:?} a=${4:?} min=${5:?}
+	shift 5
+	awk -F, -v W="$what" -v A="$a" -v B="$b" -v MIN="$min" -v JOBS="$*" '
+	function med(k, f,    n, i, j, t, v) {
+		n = cnt[k]
+		for (i = 1; i <= n; i++) v[i] = val[k, f, i]
+		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
+		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
+	}
+	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
+	{
+		k = $(col["name"]) SUBSEP $(col["job"])
+		i = ++cnt[k]
+		val[k, "iops", i] = $(col["iops"])
+		if (("target_us_per_io" in col) && $(col["target_us_per_io"]) != "") { val[k, "tgt", i] = $(col["target_us_per_io"]); tn[k]++ }
+	}
+	END {
+		cpu = (MIN ~ /^tgt</); lim = MIN; sub(/^tgt</, "", lim)
+		n = split(JOBS, js, " ")
+		for (q = 1; q <= n; q++) {
+			ka = A SUBSEP js[q]; kb = B SUBSEP js[q]
+			if (cpu) {
+				if (tn[ka] != cnt[ka] || tn[kb] != cnt[kb] || !(ka in cnt) || !(kb in cnt) || med(ka, "tgt") <= 0) { printf "target: %s, %s: not measured\n", W, js[q]; continue }
+				r = med(kb, "tgt") / med(ka, "tgt")
+				printf "target: %s, %s: %s %.2f us/IO / %s %.2f = %.3f, want < %s: %s\n", W, js[q], B, med(kb, "tgt"), A, med(ka, "tgt"), r, lim, (r < lim) ? "met" : "MISSED"
+			} else {
+				if (!(ka in cnt) || !(kb in cnt) || med(ka, "iops") <= 0) { printf "target: %s, %s: not measured\n", W, js[q]; continue }
+				r = med(kb, "iops") / med(ka, "iops")
+				printf "target: %s, %s: %s/%s %.2f, want >= %s: %s\n", W, js[q], B, A, r, lim, (r >= lim) ? "met" : "MISSED"
+			}
 		}
 	}' "$csv"
 }

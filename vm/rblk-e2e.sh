@@ -452,6 +452,34 @@ BENCH_NULL_JOBS=${BENCH_NULL_JOBS:-}
 # (BENCH_MIRROR_BITMAP: internal, as rblk-mirror and rblk-csi make it, or
 # none, to see what the bitmap costs).
 BENCH_MIRROR_JOBS=${BENCH_MIRROR_JOBS:-}
+# The software transport beside its peer: rblk --transport tcp and the
+# kernel's NVMe/TCP (nvmet-tcp, nvme-tcp), both over the guest's loopback,
+# each on a RAM disk of its own (BENCH_TCP=0: left out); BENCH_TCP_JOBS:
+# the jobs of both columns (empty: all of FIO_JOBS).
+BENCH_TCP=${BENCH_TCP:-1}
+BENCH_TCP_JOBS=${BENCH_TCP_JOBS:-}
+BENCH_TCP_PORT=7491 BENCH_NVMET_TCP_PORT=4421
+BENCH_NVMET_TCP_NQN=nqn.2024-01.io.rblk:vmtest-tcp
+
+# The target of each device of the bench, by its column's name: rblkd's
+# pids, or "kernel" for nvmet (scen_bench fills it in).
+declare -A BENCH_TGT=()
+
+# fio_target_us NAME: the CPU time so far of the target of the bench's
+# device NAME, in microseconds (vm/fio-table.sh's hook): rblkd's
+# processes; for NVMe-oF, every kernel thread (nvmet's work and
+# Soft-RoCE's of both sides: an upper bound of nvmet's).
+fio_target_us() {
+	local t=${BENCH_TGT[$1]:-}
+	case $t in
+	'') ;;
+	kernel) _kthread_us ;;
+	*)
+		# shellcheck disable=SC2086 # pids
+		_proc_us $t
+		;;
+	esac
+}
 
 # hw_queues DEV: the blk-mq hardware queues of DEV; for an NVMe multipath
 # head (no queues of its own), its controller's I/O queues (queue_count
@@ -473,6 +501,8 @@ scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
 	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram='' ndev=''
 	local mram='' mdev='' m_devs=() m_apids=() m_rblkds=()
+	local tram='' tnvme='' tdev='' t_apid='' t_rblkd=''
+	BENCH_TGT=()
 	if [ -n "$before" ]; then
 		[ -x "$before/rblkd" ] && [ -x "$before/rblk-attach" ] || fail "RBLK_VM_BASELINE_BIN=$before: no rblkd and rblk-attach there"
 		nram=3
@@ -485,6 +515,11 @@ scen_bench() {
 	# With mdadm and raid1, a mirror of two rblk devices gets a column.
 	if command -v mdadm >/dev/null && modprobe raid1 2>/dev/null; then
 		mram=$nram
+		nram=$((nram + 2))
+	fi
+	# rblk over tcp beside NVMe/TCP, both on the loopback.
+	if [ "$BENCH_TCP" != 0 ]; then
+		tram=$nram
 		nram=$((nram + 2))
 	fi
 	step "brd: $nram RAM disks of $size MiB with the same random bytes"
@@ -506,17 +541,20 @@ scen_bench() {
 	SERVE_VOL=/dev/ram1 serve rblkd.log "$BENCH_PORT" "$size" --cache-size $((size + 32))M
 	attach attach.log "$size" --connections "$BENCH_QUEUES"
 	rblk_dev=$DEV rblk_apid=$APID rblk_rblkd=$RBLKD
+	BENCH_TGT["nvme-of rdma"]=kernel BENCH_TGT[rblk]=$RBLKD
 	if [ -n "$before" ]; then
 		step "rblk-before: $before/rblkd on /dev/ram2, $before/rblk-attach --connections $BENCH_QUEUES"
 		RBLKD_BIN=$before/rblkd SERVE_VOL=/dev/ram2 serve rblkd-before.log "$BENCH_BEFORE_PORT" "$size" --cache-size $((size + 32))M
 		ATTACH_BIN=$before/rblk-attach attach attach-before.log "$size" --connections "$BENCH_QUEUES"
 		bdev=$DEV b_apid=$APID b_rblkd=$RBLKD
+		BENCH_TGT[rblk-before]=$RBLKD
 	fi
 	if [ -n "$uram" ]; then
 		step "rblk ublk: rblkd on /dev/ram$uram, rblk-attach --device ublk --connections $BENCH_QUEUES"
 		SERVE_VOL=/dev/ram$uram serve rblkd-ublk.log "$BENCH_UBLK_PORT" "$size" --cache-size $((size + 32))M
 		attach_ublk attach-ublk.log "$size" --connections "$BENCH_QUEUES"
 		udev=$DEV u_apid=$APID u_rblkd=$RBLKD
+		BENCH_TGT["rblk ublk"]=$RBLKD
 	fi
 	if [ -n "$mram" ]; then
 		step "rblk mirror: rblkd on /dev/ram$mram and on /dev/ram$((mram + 1)), rblk-attach --connections $BENCH_QUEUES to each, md RAID1 over them"
@@ -525,6 +563,7 @@ scen_bench() {
 			attach "attach-mirror$i.log" "$size" --connections "$BENCH_QUEUES"
 			m_devs+=("$DEV") m_apids+=("$APID") m_rblkds+=("$RBLKD")
 		done
+		BENCH_TGT["rblk mirror"]="${m_rblkds[*]}"
 		# (as package mirror creates it over new copies; the two RAM disks
 		# hold the same bytes, so the copies are in sync)
 		mdadm --create /dev/md/rblk-bench --run --level=1 --raid-devices=2 --metadata=1.2 --bitmap="${BENCH_MIRROR_BITMAP:-internal}" \
@@ -535,6 +574,16 @@ scen_bench() {
 		# mdadm leaves the link to it: "timeout waiting for /dev/md/...").
 		mdev=/dev/$(ls "/sys/block/${m_devs[0]#/dev/}/holders/" 2>/dev/null | head -n 1)
 		[ -b "$mdev" ] && [ -d "/sys/block/${mdev#/dev/}/md" ] || fail "the mirror's md device: none holds ${m_devs[0]}"
+	fi
+	if [ -n "$tram" ]; then
+		step "NVMe/TCP: nvmet-tcp on /dev/ram$tram, nvme connect -t tcp 127.0.0.1 --nr-io-queues $BENCH_QUEUES"
+		tnvme=$(NVMET_TRTYPE=tcp NVMET_ADDR=127.0.0.1 NVMET_PORT=$BENCH_NVMET_TCP_PORT NVMET_PORTID=2 NVMET_NQN=$BENCH_NVMET_TCP_NQN \
+			NVMET_NR_IO_QUEUES=$BENCH_QUEUES nvmet_setup "/dev/ram$tram") || fail "nvmet-tcp setup"
+		step "rblk tcp: rblkd --transport tcp on /dev/ram$((tram + 1)), rblk-attach --transport tcp --connections $BENCH_QUEUES, on 127.0.0.1"
+		TRANSPORT=tcp IP=127.0.0.1 SERVE_VOL=/dev/ram$((tram + 1)) serve rblkd-tcp.log "$BENCH_TCP_PORT" "$size" --cache-size $((size + 32))M
+		TRANSPORT=tcp attach attach-tcp.log "$size" --connections "$BENCH_QUEUES"
+		tdev=$DEV t_apid=$APID t_rblkd=$RBLKD
+		BENCH_TGT["nvme-of tcp"]=kernel BENCH_TGT["rblk tcp"]=$RBLKD
 	fi
 	# The NBD front end's floor: a /dev/nbdN like rblk's (as many
 	# connections, 4 KiB blocks) on nbdkit's null plugin, nothing behind it.
@@ -553,6 +602,8 @@ scen_bench() {
 		echo "rblk: $rblk_dev, $(hw_queues "$rblk_dev") hardware queues (rblk-attach --connections $BENCH_QUEUES)"
 		[ -z "$bdev" ] || echo "rblk-before: $bdev, $(hw_queues "$bdev") hardware queues ($before)"
 		[ -z "$udev" ] || echo "rblk ublk: $udev, $(hw_queues "$udev") hardware queues (rblk-attach --device ublk --connections $BENCH_QUEUES)"
+		[ -z "$tnvme" ] || echo "nvme-of tcp: $tnvme, $(NVMET_NQN=$BENCH_NVMET_TCP_NQN hw_queues "$tnvme") hardware queues (nvme connect -t tcp 127.0.0.1 --nr-io-queues $BENCH_QUEUES)${BENCH_TCP_JOBS:+; only $BENCH_TCP_JOBS}"
+		[ -z "$tdev" ] || echo "rblk tcp: $tdev, $(hw_queues "$tdev") hardware queues (rblkd and rblk-attach --transport tcp on 127.0.0.1, --connections $BENCH_QUEUES)${BENCH_TCP_JOBS:+; only $BENCH_TCP_JOBS}"
 		[ -z "$mdev" ] || echo "rblk mirror: $mdev, md RAID1 (bitmap ${BENCH_MIRROR_BITMAP:-internal}, chunk $(cat "/sys/block/${mdev#/dev/}/md/bitmap/chunksize" 2>/dev/null || echo none)) over ${m_devs[*]} (rblk-attach --connections $BENCH_QUEUES each, on two rblkd)${BENCH_MIRROR_JOBS:+; only $BENCH_MIRROR_JOBS}"
 		if [ -n "$ndev" ]; then
 			echo "nbd null: $ndev, $(hw_queues "$ndev") hardware queues (nbdkit null on a unix socket, nbd-client -connections $BENCH_QUEUES): the NBD front end alone, no network, no data${BENCH_NULL_JOBS:+; only $BENCH_NULL_JOBS}"
@@ -564,7 +615,7 @@ scen_bench() {
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
 	# no cache to warm)
 	step "warm-up (not measured): one sequential read of each rblk device"
-	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"} "${m_devs[@]}"; do
+	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"} ${tdev:+"$tdev"} "${m_devs[@]}"; do
 		dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d"
 	done
 
@@ -587,6 +638,15 @@ scen_bench() {
 		done
 		devs+=("rblk mirror=$mdev${mj:+=$mj}")
 	fi
+	local tj='' tcp_jobs=$FIO_JOBS
+	if [ -n "$tdev" ]; then
+		local j
+		for j in $BENCH_TCP_JOBS; do
+			case " $FIO_JOBS " in *" $j "*) tj+=$j, ;; *) fail "BENCH_TCP_JOBS: '$j' is none of FIO_JOBS ($FIO_JOBS)" ;; esac
+		done
+		[ -z "$BENCH_TCP_JOBS" ] || tcp_jobs=$BENCH_TCP_JOBS
+		devs+=("nvme-of tcp=$tnvme${tj:+=$tj}" "rblk tcp=$tdev${tj:+=$tj}")
+	fi
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
@@ -601,6 +661,22 @@ scen_bench() {
 				echo "the mirror beside one rblk device (each write goes to both copies):"
 				fio_table "$csv" rblk "rblk mirror"
 			fi
+			if [ -n "$tdev" ]; then
+				echo
+				echo "the software transport beside the kernel's NVMe/TCP, both over the loopback:"
+				fio_table "$csv" "nvme-of tcp" "rblk tcp"
+			fi
+			echo
+			echo "targets (medians of this run):"
+			fio_check "$csv" "4k writes at QD32 over NBD, 0.6x NVMe-oF RDMA" rblk "nvme-of rdma" 0.6 randwrite-4k-qd32
+			if [ -n "$udev" ]; then
+				fio_check "$csv" "4k writes at QD32 over ublk, 0.8x NVMe-oF RDMA" "rblk ublk" "nvme-of rdma" 0.8 randwrite-4k-qd32
+				fio_check "$csv" "4k reads at depth over ublk, 1.0x NVMe-oF RDMA" "rblk ublk" "nvme-of rdma" 1.0 randread-4k-qd32 randread-4k-qd16x2
+			fi
+			# shellcheck disable=SC2086 # a list of jobs
+			[ -z "$tdev" ] || fio_check "$csv" "rblk tcp, 1.0x NVMe/TCP" "rblk tcp" "nvme-of tcp" 1.0 $tcp_jobs
+			fio_check "$csv" "rblkd's CPU per 4k read under a tenth of the NVMe-oF target's" rblk "nvme-of rdma" "tgt<0.1" randread-4k-qd1 randread-4k-qd32
+			[ -z "$tdev" ] || fio_check "$csv" "rblkd's CPU per 4k read over tcp, beside NVMe/TCP's target" "rblk tcp" "nvme-of tcp" "tgt<1" randread-4k-qd1 randread-4k-qd32
 		} | tee "$BIN/fio-table.txt"
 	fi
 	[ "$rc" = 0 ] || fail "a fio job failed"
@@ -616,6 +692,10 @@ scen_bench() {
 	if [ -n "$udev" ]; then
 		DEV=$udev APID=$u_apid detach
 		RBLKD=$u_rblkd stop_rblkd
+	fi
+	if [ -n "$tdev" ]; then
+		DEV=$tdev APID=$t_apid detach
+		RBLKD=$t_rblkd stop_rblkd
 	fi
 	if [ -n "$mdev" ]; then
 		mdadm --stop "$mdev" >>"$LOGS/mdadm-bench.log" 2>&1 || fail "mdadm --stop: $(tail -n 3 "$LOGS/mdadm-bench.log")"
