@@ -19,7 +19,7 @@ STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/s
 # rdma says how to get it and auto uses tcp.
 TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/rdma/rdma_cma.h && echo rdma)
 
-.PHONY: all help build docs test unit e2e fuzz bench gobench lint quickstart install uninstall clean
+.PHONY: all help build docs test unit e2e fuzz bench bench-bundle gobench lint quickstart install uninstall clean
 
 all: build
 
@@ -31,6 +31,8 @@ help:
 	@echo "make fuzz        every fuzz target of protocol/ for FUZZTIME=$(FUZZTIME) each"
 	@echo "make bench       bench/bench.sh: rblk beside nbdkit and qemu-nbd (bare), then beside NVMe-oF RDMA (guest);"
 	@echo "                 table.md, results.json and plots in bench/out/DATE (RBLK_BENCH_SKIP_VM=1: bare only)"
+	@echo "make bench-bundle bench/out/rblk-bench.tar.xz and run.sh: make bench's bare part for a machine without"
+	@echo "                 packages (static rblk, fio, nbdkit and their libraries; bench/bundle/README.md)"
 	@echo "make gobench     the go benchmarks (go test -bench)"
 	@echo "make lint        gofmt, go vet, staticcheck"
 	@echo "make quickstart  scripts/quickstart.sh (root)"
@@ -68,6 +70,12 @@ fuzz:
 
 bench:
 	bash bench/bench.sh
+
+bench-bundle:
+	mkdir -p bench/out
+	bash bench/bundle/make-bundle.sh bench/out/rblk-bench.tar.xz
+	cp bench/bundle/run.sh bench/out/run.sh
+	@echo "copy bench/out/rblk-bench.tar.xz and bench/out/run.sh to the machine (one folder), then: OUT=DIR bash run.sh"
 
 gobench:
 	$(GO) test -run='^$$' -bench=. ./...
