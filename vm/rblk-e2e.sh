@@ -614,9 +614,16 @@ scen_bench() {
 
 	# (rblkd's cache loads each chunk on its first access; nvmet on brd has
 	# no cache to warm)
-	step "warm-up (not measured): one sequential read of each rblk device"
+	# Each queue of a device has its own grants, and blk-mq sends a request
+	# to the queue of the CPU that submits it: one read from each CPU, so
+	# that no measured run pays for the grants (the 4k QD1 read, first,
+	# did: its rblkd CPU per IO was the grant requests').
+	step "warm-up (not measured): a sequential read of each rblk device from each CPU"
+	local cpu
 	for d in "$rblk_dev" ${bdev:+"$bdev"} ${udev:+"$udev"} ${tdev:+"$tdev"} "${m_devs[@]}"; do
-		dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d"
+		for cpu in $(seq 0 $(($(nproc) - 1))); do
+			taskset -c "$cpu" dd if="$d" of=/dev/null bs=1M iflag=direct status=none || fail "warm-up read of $d on CPU $cpu"
+		done
 	done
 
 	step "fio: $FIO_JOBS; ${FIO_REPS:-2} reps, interleaved"
