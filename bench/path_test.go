@@ -13,9 +13,15 @@ import (
 )
 
 // serve starts a target with a sparse volume of volSize bytes over the
-// software provider on loopback, and opens the volume; both are closed when
-// the benchmark ends.
+// software provider on loopback, and opens the volume with one queue; both
+// are closed when the benchmark ends.
 func serve(b *testing.B, chunkSize int, volSize, cacheSize int64) *initiator.Volume {
+	return serveQueues(b, chunkSize, volSize, cacheSize, 1)
+}
+
+// serveQueues is serve with the volume opened with queues queues (as a
+// host, which more than one queue needs).
+func serveQueues(b *testing.B, chunkSize int, volSize, cacheSize int64, queues int) *initiator.Volume {
 	b.Helper()
 	path := filepath.Join(b.TempDir(), "vol.img")
 	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: volSize}},
@@ -31,7 +37,11 @@ func serve(b *testing.B, chunkSize int, volSize, cacheSize int64) *initiator.Vol
 	}
 	done := make(chan struct{})
 	go func() { tg.Serve(ctx, l); close(done) }()
-	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: l.Addr(), Export: "vol"})
+	opts := initiator.Options{Provider: p, Target: l.Addr(), Export: "vol"}
+	if queues > 1 {
+		opts.HostID, opts.Queues = "bench", queues
+	}
+	v, err := initiator.Open(ctx, opts)
 	if err != nil {
 		b.Fatal(err)
 	}

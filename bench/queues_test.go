@@ -3,16 +3,13 @@ package bench
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"runtime/metrics"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/rblk/rblk/initiator"
 	"github.com/rblk/rblk/initiator/blockdev"
 	"github.com/rblk/rblk/target"
-	"github.com/rblk/rblk/transport/tcp"
 )
 
 // BenchmarkQueues measures how the data path scales with the volume's
@@ -53,31 +50,8 @@ func benchQueues(b *testing.B, write bool, queues, depth int) {
 		volSize = 64 << 20
 	)
 	chunk := target.DefaultChunkSize
-	path := filepath.Join(b.TempDir(), "vol.img")
-	tg, err := target.New(target.Options{Exports: []target.ExportConfig{{Name: "vol", Path: path, Size: volSize}},
-		CacheSize: volSize + 4*int64(chunk), ChunkSize: chunk})
-	if err != nil {
-		b.Fatal(err)
-	}
-	p := tcp.New("tcp")
-	ctx, cancel := context.WithCancel(context.Background())
-	l, err := p.Listen(ctx, "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	served := make(chan struct{})
-	go func() { tg.Serve(ctx, l); close(served) }()
-	v, err := initiator.Open(ctx, initiator.Options{Provider: p, Target: l.Addr(), Export: "vol",
-		HostID: "bench", Queues: queues})
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		v.Close(context.Background())
-		cancel()
-		<-served
-		tg.Close()
-	})
+	v := serveQueues(b, chunk, volSize, volSize+4*int64(chunk), queues)
+	ctx := context.Background()
 	// Every chunk granted (writable, for writes) on every queue before the
 	// timer starts: the figures are of the steady data path.
 	for q := range queues {
