@@ -49,7 +49,7 @@ func startMirror(t *testing.T, name string) *mirrorRig {
 	ctx := context.Background()
 	var members []string
 	for i := range 2 {
-		r.exports[i] = []string{"vol=" + filepath.Join(dir, "copy"+string(rune('a'+i))+".img") + ",size=32M"}
+		r.exports[i] = []string{"vol=" + filepath.Join(dir, "copy"+string(rune('a'+i))+".img") + ",size=20M"}
 		r.tgs[i] = startTarget(t, r.exports[i])
 		l := &csidriver.Leg{A: r.att, ID: name + "/" + string(rune('a'+i)),
 			VolCtx: map[string]string{csidriver.CtxAddress: r.tgs[i].addr, csidriver.CtxExport: "vol", csidriver.CtxTransport: e2eTransport()}}
@@ -159,7 +159,7 @@ func mdCheck(t *testing.T, o mirror.Options) uint64 {
 func TestMirrorTargetKilled(t *testing.T) {
 	t.Parallel()
 	r := startMirror(t, "e2e-mirror-kill")
-	job := []string{"--name=mirror", "--filename=" + r.o.Path(), "--size=16m", "--rw=randwrite", "--bs=4k", "--ioengine=libaio",
+	job := []string{"--name=mirror", "--filename=" + r.o.Path(), "--size=12m", "--rw=randwrite", "--bs=4k", "--ioengine=libaio",
 		"--direct=1", "--iodepth=8", "--verify=crc32c", "--verify_fatal=1", "--exitall_on_error=1", "--verify_state_save=0"}
 	written := func(i int) float64 {
 		v, _ := metricSum(scrapeQuiet(r.tgs[i].metrics), "rblkd_written_bytes_total")

@@ -231,7 +231,9 @@ else
 	# emulation; the soak's TestSubmitAllocs measures the same path over
 	# rdma in process). The bench's "nbd null" floor: the 4k QD1 and QD32
 	# jobs only; its "rblk mirror" column: the 4k writes; its "rblk tcp" and
-	# "nvme-of tcp" columns: the 4k jobs at QD1 and QD32. The mirror drills run on /dev/nbdN on 6.12; on 6.1, for
+	# "nvme-of tcp" columns: the 4k reads at QD1 and QD32 and the 4k write
+	# at QD32; and the table's jobs are the 4k ones at QD1 and QD32 (make
+	# bench: the 1M, mixed and two-job ones too), for time. The mirror drills run on /dev/nbdN on 6.12; on 6.1, for
 	# time, the one through rblk-csi (SIGSTOP, SIGKILL with lost writes,
 	# growth), beside its socket run. (make bench: all of it;
 	# RBLK_VM_SOAK_RUNS=3: the soak three times in a row.)
@@ -242,7 +244,8 @@ else
 		RBLK_VM_E2E_ALSO_KERNELS="${RBLK_VM_E2E_ALSO_KERNELS-6.1:nbd:TestCSIMirror}" \
 		BENCH_NULL_JOBS="${BENCH_NULL_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" \
 		BENCH_MIRROR_JOBS="${BENCH_MIRROR_JOBS:-randwrite-4k-qd1 randwrite-4k-qd32}" \
-		BENCH_TCP_JOBS="${BENCH_TCP_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh
+		BENCH_TCP_JOBS="${BENCH_TCP_JOBS:-randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" \
+		FIO_JOBS="${FIO_JOBS:-randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32}" scripts/vm-test.sh
 fi
 
 summary
