@@ -58,11 +58,14 @@
 # Target CPU per IO: the CPU time of the device's target over the same
 # span, per IO, where the caller says what that is: if it defines
 # fio_target_us NAME (prints the CPU time in microseconds used so far by
-# the target of the device named NAME, nothing if none; _proc_us and
-# _kthread_us help), its difference; otherwise empty. Kernel threads' CPU
-# per IO (kthread_us_per_io): the CPU time of every kernel thread (the
-# children of kthreadd), per IO: where a kernel target
-# (nvmet) and Soft-RoCE (rxe) do their work, besides softirqs.
+# the target of the device named NAME, _proc_us helps; or "kernel" for
+# the kernel threads' time below; nothing if none), its difference;
+# otherwise empty. Kernel threads' CPU per IO (kthread_us_per_io): the
+# CPU time of every kernel thread (the children of kthreadd) over the
+# span, per IO: where a kernel target (nvmet) and Soft-RoCE (rxe) do their
+# work, besides softirqs. It is counted thread by thread, so that a thread
+# that comes or goes meanwhile (kworkers do) takes nothing off the others:
+# a thread that ended during the run is missing (the figure is a floor).
 # Settings: FIO_RUNTIME (seconds, default 7), FIO_RAMP (default 1), FIO_REPS
 # (default 2), FIO_OUTDIR (fio's JSON and text output; default /tmp/fio-out).
 # Figures under software emulation only mean something as ratios within one run.
@@ -89,11 +92,17 @@ fio_job_args() {
 # _cpu_busy: busy clock ticks of all CPUs since boot (/proc/stat).
 _cpu_busy() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
 
-# _kthread_us: the CPU time (user + system) in microseconds used by the
-# kernel's threads alive now: kthreadd's children (a kernel thread's name
-# has no blank, so the fields of its stat line are where they should be).
-_kthread_us() {
-	awk -v hz="$(getconf CLK_TCK)" '$4 == 2 { s += $14 + $15 } END { printf "%.0f\n", s * 1e6 / hz }' /proc/[0-9]*/stat 2>/dev/null
+# _kthread_snap: "PID TICKS" of each kernel thread alive now, its CPU time
+# (user + system) so far: kthreadd's children (a kernel thread's name has
+# no blank, so the fields of its stat line are where they should be).
+_kthread_snap() { awk '$4 == 2 { print $1, $14 + $15 }' /proc/[0-9]*/stat 2>/dev/null; }
+
+# _kthread_delta_us SNAP0 SNAP1: the kernel threads' CPU time between two
+# snapshots, in microseconds: each thread of SNAP1 less what it had in
+# SNAP0 (all of it if it is new).
+_kthread_delta_us() {
+	awk -v hz="$(getconf CLK_TCK)" 'FNR == NR { t0[$1] = $2; next } { d = $2 - t0[$1]; if (d > 0) s += d }
+		END { printf "%.0f\n", s * 1e6 / hz }' <(printf '%s\n' "$1") <(printf '%s\n' "$2")
 }
 
 # _proc_us PID...: the CPU time in microseconds used by the processes PID,
@@ -110,21 +119,27 @@ _target_us() { if declare -F fio_target_us >/dev/null; then fio_target_us "$1"; 
 
 fio_run() {
 	local name=${1:?usage: fio_run NAME DEVICE JOB CSV [REP]} dev=${2:?} job=${3:?} csv=${4:?} rep=${5:-1}
-	local args out rc line c0 c1 t0 t1 k0 k1 groups=()
+	local args out rc line c0 c1 t0 t1 k0 k1 kus tus groups=()
 	args=$(fio_job_args "$job") || return 1
 	local outdir=${FIO_OUTDIR:-/tmp/fio-out}
 	mkdir -p "$outdir"
 	out=$outdir/$(echo "$name-$(basename "$dev")-$job-rep$rep" | tr -c 'A-Za-z0-9._\n-' _)
 	if [ "${FIO_RAMP:-1}" != 0 ]; then groups+=(--name=warm --time_based --runtime="${FIO_RAMP:-1}"); fi
 	groups+=(--name=measure --stonewall --time_based --runtime="${FIO_RUNTIME:-7}")
-	t0=$(_target_us "$name") k0=$(_kthread_us)
+	t0=$(_target_us "$name") k0=$(_kthread_snap)
 	c0=$(_cpu_busy)
 	# shellcheck disable=SC2086 # args is a list of options
 	fio --filename="$dev" --ioengine=libaio --direct=1 --group_reporting --lat_percentiles=1 $args \
 		"${groups[@]}" --output-format=json --output="$out.json" >"$out.txt" 2>&1
 	rc=$?
 	c1=$(_cpu_busy)
-	t1=$(_target_us "$name") k1=$(_kthread_us)
+	t1=$(_target_us "$name") k1=$(_kthread_snap)
+	kus=$(_kthread_delta_us "$k0" "$k1")
+	case $t0 in
+	kernel) tus=$kus ;;
+	'') tus=null ;;
+	*) tus=$([ -n "$t1" ] && echo $((t1 - t0)) || echo null) ;;
+	esac
 	if [ $rc -ne 0 ] || ! jq -e '.jobs[0]' "$out.json" >/dev/null 2>&1; then
 		echo "fio_run: $job on $dev failed (fio exit $rc)" >&2
 		cat "$out.txt" >&2
@@ -136,8 +151,7 @@ fio_run() {
 	# both directions'.
 	line=$(jq -r --arg name "$name" --arg dev "$dev" --arg job "$job" --argjson rep "$rep" \
 		--argjson ticks "$((c1 - c0))" --argjson hz "$(getconf CLK_TCK)" \
-		--argjson tus "$([ -n "$t0" ] && [ -n "$t1" ] && echo $((t1 - t0)) || echo null)" \
-		--argjson kus "$((k1 > k0 ? k1 - k0 : 0))" '
+		--argjson tus "$tus" --argjson kus "$kus" '
 		([.jobs[] | .read.total_ios + .write.total_ios] | add) as $all
 		| ([.jobs[] | select(.jobname == "measure")] + [.jobs[-1]])[0] as $j
 		| ($j.read.total_ios + $j.write.total_ios) as $n
