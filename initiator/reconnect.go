@@ -252,30 +252,13 @@ func (v *Volume) fail(err error) {
 // it.
 func (v *Volume) current(ctx context.Context, q int, off uint64) (*session, error) {
 	// The usual case, without the volume's lock: up, and not failed.
-	if s := v.queueFor(q, off); s != nil && !v.dead.Load() {
-		s.mu.Lock()
-		ok := s.usableLocked()
-		if ok {
-			s.inflight++
-		}
-		s.mu.Unlock()
-		if ok {
-			return s, nil
-		}
+	if s := v.queueFor(q, off); s != nil && !v.dead.Load() && s.hold() {
+		return s, nil
 	}
 	var s *session
 	err := v.waitUp(ctx, func() bool {
 		s = v.queueFor(q, off)
-		if s == nil {
-			return false
-		}
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		if !s.usableLocked() {
-			return false
-		}
-		s.inflight++
-		return true
+		return s != nil && s.hold()
 	})
 	return s, err
 }

@@ -48,6 +48,18 @@ func (s *session) usableLocked() bool {
 	return !s.draining && !s.down && s.link.Err() == nil
 }
 
+// hold takes a hold on s if new IO may start on it, and reports whether
+// it did.
+func (s *session) hold() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.usableLocked() {
+		return false
+	}
+	s.inflight++
+	return true
+}
+
 // releaseLocked ends a hold on s. s.mu is held.
 func (s *session) releaseLocked() {
 	s.inflight--
