@@ -232,6 +232,14 @@ chmod +x "$SHARE/$SCRIPT_NAME" "$SHARE/harness/"*.sh
 # 5. Boot. KVM hangs on these machines: TCG only. No NIC: all traffic stays
 #    inside the guest. The guest powers itself off (sysrq o); -no-reboot makes
 #    a kernel panic (panic=-1) end qemu too.
+#    The stall detectors get the timeouts syzkaller gives its emulated
+#    guests (their defaults assume a CPU of its own): on these 2-core hosts a
+#    vCPU thread can go without the host's CPU for tens of seconds, which the
+#    guest sees as a CPU stuck where it happened to stop (CI once had a 24 s
+#    "soft lockup" in clear_page of an rblkd page fault, nothing spinning).
+#    A real lockup still shows: after 110 s (watchdog_thresh=55, doubled)
+#    and 100 s for RCU, inside the tests' own timeouts, and the dmesg
+#    scenario fails on each. (Debian's kernels have no workqueue watchdog.)
 # ---------------------------------------------------------------------------
 if [ "$VERBOSE" = 1 ]; then
 	serial=(-chardev "stdio,id=con0,signal=off,logfile=$CONSOLE")
@@ -245,7 +253,7 @@ QEMU=(
 	-nodefaults -no-user-config -display none -nic none -no-reboot
 	"${serial[@]}" -serial chardev:con0
 	-kernel "$KERNEL" -initrd "$INITRAMFS"
-	-append "console=ttyS0 rdinit=/init panic=-1 loglevel=4 mitigations=off rblk_script=$SCRIPT_NAME$MODULES_ARG"
+	-append "console=ttyS0 rdinit=/init panic=-1 loglevel=4 mitigations=off watchdog_thresh=55 rcupdate.rcu_cpu_stall_timeout=100 rblk_script=$SCRIPT_NAME$MODULES_ARG"
 	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"
 	-virtfs "local,path=$SHARE,mount_tag=share,security_model=none,multidevs=remap"
 )
