@@ -14,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/initiator/blockdev"
+	"github.com/rblk/rblk/internal/rawsock"
 )
 
 // Buffer and Backend are the block-device contract (package blockdev), named
@@ -326,7 +327,7 @@ func (s *Server) newConn(ctx context.Context, nc net.Conn) (*conn, error) {
 	c := &conn{
 		s:   s,
 		nc:  nc,
-		br:  bufio.NewReaderSize(nc, readBufferSize),
+		br:  bufio.NewReaderSize(rawsock.NewReader(nc), readBufferSize),
 		ctx: ctx,
 	}
 	id := s.nextID.Add(1)

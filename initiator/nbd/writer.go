@@ -4,7 +4,10 @@ import (
 	"net"
 	"sync"
 	"syscall"
-	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/rblk/rblk/internal/rawsock"
 )
 
 // maxIovecs bounds the segments of one inline writev; a reply with more
@@ -36,17 +39,15 @@ type replyWriter struct {
 	tryBufs  *net.Buffers
 	tryN     int
 	tryErrno syscall.Errno
-	iovecs   [maxIovecs]syscall.Iovec
+	iovecs   [maxIovecs]unix.Iovec
 }
 
 func (c *conn) initWriter() {
 	c.wkick = make(chan struct{}, 1)
 	c.wdone = make(chan struct{})
-	if sc, ok := c.nc.(syscall.Conn); ok {
-		if raw, err := sc.SyscallConn(); err == nil {
-			c.raw = raw
-			c.tryFn = c.tryWriteFd
-		}
+	if raw, ok := rawsock.SyscallConn(c.nc); ok {
+		c.raw = raw
+		c.tryFn = c.tryWriteFd
 	}
 }
 
@@ -118,19 +119,15 @@ func (c *conn) tryWriteFd(fd uintptr) bool {
 		if len(b) == 0 {
 			continue
 		}
-		c.iovecs[n] = syscall.Iovec{Base: &b[0]}
+		c.iovecs[n] = unix.Iovec{Base: &b[0]}
 		c.iovecs[n].SetLen(len(b))
 		n++
 	}
 	if n == 0 {
 		return true
 	}
-	w, _, e := syscall.Syscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iovecs[0])), uintptr(n))
+	c.tryN, c.tryErrno = rawsock.Writev(fd, c.iovecs[:n])
 	clear(c.iovecs[:n])
-	c.tryN, c.tryErrno = int(w), e
-	if e != 0 {
-		c.tryN = 0
-	}
 	return true
 }
 

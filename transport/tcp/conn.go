@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rblk/rblk/internal/rawsock"
 	"github.com/rblk/rblk/transport"
 )
 
@@ -252,17 +253,18 @@ func makeConn(opts Options, nc net.Conn, br *bufio.Reader, peerPD []byte, peerRe
 	if tc, ok := nc.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
 	}
-	if sc, ok := nc.(syscall.Conn); ok {
-		if rc, err := sc.SyscallConn(); err == nil {
-			c.rc = rc
-			c.iov = make([]unix.Iovec, 0, 2*writeBatch)
-			c.rawFn = c.rawWritev
-		}
+	if rc, ok := rawsock.SyscallConn(nc); ok {
+		c.rc = rc
+		c.iov = make([]unix.Iovec, 0, 2*writeBatch)
+		c.rawFn = c.rawWritev
 	}
 	// The reader reads through sr, which first hands out what the
 	// handshake's reader had buffered past the handshake.
-	c.sr = &sockReader{c: c}
+	c.sr = &sockReader{c: c, sock: nc}
 	c.sr.fn = c.sr.rawRead
+	if c.rc != nil {
+		c.sr.sock = rawsock.NewReader(nc)
+	}
 	if n := br.Buffered(); n > 0 {
 		pre, _ := br.Peek(n)
 		c.sr.pre = bytes.Clone(pre)

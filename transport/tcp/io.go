@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/rblk/rblk/internal/rawsock"
 	"github.com/rblk/rblk/transport"
 )
 
@@ -50,6 +51,7 @@ type sockReader struct {
 	full   bool // the last read filled the read buffer
 	direct bool // a payload is read straight into its destination
 
+	sock  io.Reader             // the socket: raw reads when it has a descriptor
 	fn    func(fd uintptr) bool // rawRead, made once
 	buf   []byte
 	n     int
@@ -80,7 +82,7 @@ func (r *sockReader) Read(p []byte) (int, error) {
 	if err := c.beforeBlock(); err != nil {
 		return 0, err
 	}
-	n, err := c.nc.Read(p)
+	n, err := r.sock.Read(p)
 	r.full = !r.direct && n == len(p) && n >= readBufferSize
 	return n, err
 }
@@ -89,15 +91,13 @@ func (r *sockReader) Read(p []byte) (int, error) {
 // true so that Read never waits for the socket to be readable.
 func (r *sockReader) rawRead(fd uintptr) bool {
 	for {
-		n, err := unix.Read(int(fd), r.buf)
-		if err == unix.EINTR {
+		n, _, e := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&r.buf[0])), uintptr(len(r.buf)))
+		if e == unix.EINTR {
 			continue
 		}
-		r.n = n
-		if e, ok := err.(unix.Errno); ok {
-			r.errno = e
-		} else if err != nil {
-			r.errno = unix.EIO
+		r.n, r.errno = int(n), e
+		if e != 0 {
+			r.n = 0
 		}
 		return true
 	}
@@ -623,17 +623,8 @@ func (c *conn) writeNonblocking() (int, error) {
 // rawWritev is the function of syscall.RawConn.Write: one writev,
 // returning true so that Write never waits for the socket to be writable.
 func (c *conn) rawWritev(fd uintptr) bool {
-	for {
-		n, _, e := unix.Syscall(unix.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&c.iov[0])), uintptr(len(c.iov)))
-		if e == unix.EINTR {
-			continue
-		}
-		c.rawN, c.rawErr = int(n), e
-		if e != 0 {
-			c.rawN = 0
-		}
-		return true
-	}
+	c.rawN, c.rawErr = rawsock.Writev(fd, c.iov)
+	return true
 }
 
 // consume drops the first n bytes of *v.
