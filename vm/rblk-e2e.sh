@@ -846,7 +846,7 @@ scen_small_cache() {
 # be harmless anywhere; DMESG_ALLOW_VERBS: in the verbs scenario only (its
 # BadRKey and Deregistered tests make rxe complete work requests with remote
 # access and operation errors on purpose; 6.12's rxe logs each one).
-DMESG_FATAL='Call Trace|BUG:|kernel BUG|WARNING:|blocked for more than|hung_task|Oops|general protection fault|soft lockup|hard LOCKUP|rcu.*(stall|detected stalls)|UBSAN|KASAN|list_(add|del) corruption|refcount_t:|I/O error|EXT4-fs error'
+DMESG_FATAL='Call Trace|BUG:|kernel BUG|WARNING:|blocked for more than|hung_task|Oops|general protection fault|soft lockup|hard LOCKUP|rcu: INFO:|rcu.*(self-detected stall|detected stalls)|UBSAN|KASAN|list_(add|del) corruption|refcount_t:|I/O error|EXT4-fs error'
 DMESG_DRIVER='(rxe|rdma|infiniband|ib_|nbd|nvme|ublk).*(err|fail|warn|timeout|timed out|stuck|abort|reset)'
 DMESG_ALLOW='^$'
 DMESG_ALLOW_VERBS='rxe[0-9]+: qp#[0-9]+ (make_send_cqe|do_complete): non-flush error status = [0-9]+$'
