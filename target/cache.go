@@ -217,10 +217,14 @@ func (c *cache) getSlow(ctx context.Context, s *session, handle uint32, v *volum
 		}
 	}()
 	for first := true; ; first = false {
-		if err := ctx.Err(); err != nil {
-			return nil, nil, err
-		}
 		if !first {
+			// (Not before the first step: an acquireLoad the caller got
+			// must be loaded here, whatever ctx says. Returning then left
+			// the chunk loading with no loader, and every later grant of
+			// it waited forever.)
+			if err := ctx.Err(); err != nil {
+				return nil, nil, err
+			}
 			st = c.tbl.acquire(key, c.chunkLen(v, idx), s, handle)
 		}
 		switch st.kind {
@@ -240,6 +244,9 @@ func (c *cache) getSlow(ctx context.Context, s *session, handle uint32, v *volum
 			}
 			continue
 		case acquireFull:
+			if err := ctx.Err(); err != nil {
+				return nil, nil, err // no eviction for a grant nobody waits for
+			}
 			if !waiting && s != nil {
 				waiting = true
 				c.tbl.wait(s, true)
@@ -266,7 +273,9 @@ func (c *cache) getSlow(ctx context.Context, s *session, handle uint32, v *volum
 			}
 			continue
 		}
-		// acquireLoad: a new chunk in a free slot, pinned.
+		// acquireLoad: a new chunk in a free slot, pinned, which only this
+		// call may load: it does, even for a context that ended (the
+		// chunk is cached for the next grant, or its slot freed again).
 		ch := st.ch
 		n := ch.length
 		words := (c.chunkSize/dirtyBlock + 63) / 64
