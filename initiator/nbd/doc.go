@@ -60,7 +60,11 @@
 // reader stops, the requests already read run to completion (their replies
 // are sent if the socket still takes them), and only then is the connection
 // closed and ServeConn returns. Connections of a multi-conn export are
-// independent; they share the Backend.
+// independent; they share the Backend. On a *net.TCPConn or *net.UnixConn
+// (a kernel NBD device's socketpair among them) the reader's reads and the
+// inline reply writevs are raw system calls (internal/rawsock), which do not
+// wake the runtime's monitor thread whenever the idle process gets a
+// request.
 //
 // # What comes from go-nbd
 //

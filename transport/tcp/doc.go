@@ -108,8 +108,12 @@
 //     writer goroutine, woken for it, which finishes an unfinished batch
 //     first and then writes, blocking, until nothing is queued. It is the
 //     only goroutine that waits for the socket to take data. A stream
-//     without SyscallConn has no inline attempts: the writer goroutine
-//     writes all, woken by whoever queues output.
+//     that is not a *net.TCPConn or *net.UnixConn has no inline attempts:
+//     the writer goroutine writes all, woken by whoever queues output.
+//   - The inline writevs and every read of the reader are raw system
+//     calls (internal/rawsock): on a non-blocking socket they never
+//     sleep, and a syscall.Syscall would wake the runtime's monitor
+//     thread each time an idle process (queue depth 1) gets to work.
 //
 // The reader never waits for a write: it only queues output and makes
 // non-blocking attempts. Its output is bounded: READ responses (at most
