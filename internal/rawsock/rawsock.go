@@ -76,19 +76,23 @@ func (r *Reader) Read(p []byte) (int, error) {
 // read is the function of RawConn.Read: false (wait, then call again)
 // when the socket is empty.
 func (r *Reader) read(fd uintptr) bool {
+	r.n, r.err = Read(fd, r.p)
+	return r.err != syscall.EAGAIN
+}
+
+// Read is one read(2) into p (not empty) from fd, a raw call: for the
+// function of the RawConn.Read of a conn that SyscallConn takes. It
+// retries EINTR; on an error it returns 0 bytes.
+func Read(fd uintptr, p []byte) (int, syscall.Errno) {
 	for {
-		n, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&r.p[0])), uintptr(len(r.p)))
-		switch e {
-		case syscall.EINTR:
+		n, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+		if e == syscall.EINTR {
 			continue
-		case syscall.EAGAIN:
-			return false
 		}
-		r.n, r.err = int(n), e
 		if e != 0 {
-			r.n = 0
+			return 0, e
 		}
-		return true
+		return int(n), 0
 	}
 }
 

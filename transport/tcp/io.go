@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -90,17 +89,8 @@ func (r *sockReader) Read(p []byte) (int, error) {
 // rawRead is the function of syscall.RawConn.Read: one read, returning
 // true so that Read never waits for the socket to be readable.
 func (r *sockReader) rawRead(fd uintptr) bool {
-	for {
-		n, _, e := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&r.buf[0])), uintptr(len(r.buf)))
-		if e == unix.EINTR {
-			continue
-		}
-		r.n, r.errno = int(n), e
-		if e != 0 {
-			r.n = 0
-		}
-		return true
-	}
+	r.n, r.errno = rawsock.Read(fd, r.buf)
+	return true
 }
 
 // beforeBlock runs on the reader goroutine each time it may wait: before
