@@ -12,7 +12,7 @@
 #   unit tests (-race), the end-to-end
 #   tests of e2e/ (real processes; no skipping: RBLK_E2E_REQUIRE=1), the CSI
 #   conformance suite (csi-sanity) against rblk-csi and rblkd, every
-#   fuzz target of protocol/ for FUZZTIME each (default 10s), and the test on
+#   fuzz target of protocol/ for FUZZTIME each (default 6s), and the test on
 #   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernels (6.1
 #   and 6.12) under qemu with Soft-RoCE and runs the e2e suite over verbs
 #   (on the NBD socket and on /dev/nbdN), a soak of the target's, the
@@ -23,7 +23,8 @@
 # It ends with the line "N passed, M failed" (counting steps) and exits
 # non-zero if any step failed.
 #
-# Environment: FUZZTIME (go test -fuzztime, default 10s), RBLK_E2E_RACE
+# Environment: FUZZTIME (go test -fuzztime, default 6s: 22 targets; the
+# whole run must stay under CI's hour), RBLK_E2E_RACE
 # (default 1: the e2e binaries are built with -race), SKIP_INSTALL=1 (do not
 # install anything; fail on what is missing).
 set -uo pipefail
@@ -32,7 +33,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # shellcheck source=scripts/lib.sh
 . scripts/lib.sh
 
-FUZZTIME="${FUZZTIME:-10s}"
+FUZZTIME="${FUZZTIME:-6s}"
 export RBLK_E2E_RACE="${RBLK_E2E_RACE:-1}"
 
 STEP_NAMES=()
