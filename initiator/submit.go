@@ -98,7 +98,9 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 	case !write:
 		err = s.link.Start(b.ctx, b, nil, b.ops...)
 	case db != nil:
-		err = s.link.Start(b.ctx, db, &db.msg, b.ops...)
+		if err = s.link.Start(b.ctx, db, &db.msg, b.ops...); err == nil {
+			s.sent(1)
+		}
 	default:
 		// The window is full: the WRITEs go now, the Done with the
 		// next batch.
