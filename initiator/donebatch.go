@@ -65,13 +65,9 @@ func (s *session) batchLocked() *doneBatch {
 	db.ctx = db.bufs[0].ctx
 	db.msg = protocol.Done{Handle: s.info.Handle, Generation: s.info.Generation, Ranges: db.ranges}
 	s.dones++
-	return db
-}
-
-// sent counts a Done posted that reports n writes.
-func (s *session) sent(n int) {
 	s.v.m.doneMessages.Inc()
-	s.v.m.doneWrites.Add(float64(n))
+	s.v.m.doneWrites.Add(float64(len(db.bufs)))
+	return db
 }
 
 // post sends db's Done, after the RDMA WRITEs its writes posted (with
@@ -80,7 +76,6 @@ func (s *session) sent(n int) {
 // cannot be posted completes its writes with the error (done again the
 // synchronous way, see ioBuf.OnComplete).
 func (db *doneBatch) post(wait bool) {
-	s, n := db.s, len(db.bufs) // (db may be done and reused once posted)
 	var err error
 	if wait {
 		err = db.s.link.Start(db.ctx, db, &db.msg)
@@ -90,9 +85,7 @@ func (db *doneBatch) post(wait bool) {
 	}
 	if err != nil {
 		db.OnComplete(err)
-		return
 	}
-	s.sent(n)
 }
 
 // OnComplete ends a Done batch (link.Callback): the window has room for

@@ -98,9 +98,7 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 	case !write:
 		err = s.link.Start(b.ctx, b, nil, b.ops...)
 	case db != nil:
-		if err = s.link.Start(b.ctx, db, &db.msg, b.ops...); err == nil {
-			s.sent(1)
-		}
+		err = s.link.Start(b.ctx, db, &db.msg, b.ops...)
 	default:
 		// The window is full: the WRITEs go now, the Done with the
 		// next batch.
