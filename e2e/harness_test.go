@@ -271,6 +271,16 @@ func startProcEnv(t *testing.T, name string, env []string, bin string, args ...s
 	t.Cleanup(func() {
 		if !p.exited() {
 			t.Logf("cleanup: killing %s (pid %d), still running", name, p.cmd.Process.Pid)
+			if t.Failed() && (name == "rblkd" || name == "rblk-attach") {
+				// A hang is why many tests fail here: the Go runtime
+				// prints every goroutine's stack on SIGQUIT, into
+				// the output shown below.
+				p.cmd.Process.Signal(syscall.SIGQUIT)
+				select {
+				case <-p.done:
+				case <-time.After(10 * time.Second):
+				}
+			}
 			p.cmd.Process.Kill()
 			<-p.done
 		}
