@@ -8,7 +8,11 @@
 // A read is an RDMA READ from the chunk into a registered buffer; a write is
 // an RDMA WRITE into the chunk followed by a Done message naming the range;
 // FUA and flush wait for the target to make ranges durable; trim and
-// write-zeroes are requests the target's CPU carries out.
+// write-zeroes are requests the target's CPU carries out. A write is
+// acknowledged once its Done reached the target. At depth, writes share
+// Dones: each queue keeps a few in flight (doneWindow), and the writes
+// that find them all out post their WRITEs at once and are reported
+// together by the next one.
 //
 // A chunk without a grant is asked for on first use. When the target needs
 // the memory back it revokes the grant: new IO stops using it, IO in flight
