@@ -4,3 +4,6 @@ package initiator
 // be acknowledged to its caller (nil: nothing runs). Not with tests in
 // parallel.
 func SetTestHookWriteAcked(f func()) { testHookWriteAcked = f }
+
+// DoneWindow is doneWindow, for the tests of Done batches.
+const DoneWindow = doneWindow

@@ -22,6 +22,8 @@ type Metrics struct {
 	fastFailing    prometheus.Gauge
 	fastFailed     prometheus.Counter // errors{op="fast_fail"}
 	resizes        prometheus.Counter // see resize.go
+	doneMessages   prometheus.Counter // see doneWindow
+	doneWrites     prometheus.Counter
 
 	// The children of the IO path's vectors, resolved once: index 0 for
 	// reads, 1 for writes.
@@ -68,6 +70,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Failed operations, by kind."}, []string{"op"}),
 		sessions:   prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "target_sessions", Help: "Sessions with the target that are up (0 or 1)."}),
 		reconnects: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "reconnects_total", Help: "Connections to the target made again after one was lost."}),
+		doneMessages: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "done_messages_total",
+			Help: "Done messages that reported writes of the run-to-completion path (writes of granted chunks); several writes share one at depth."}),
+		doneWrites: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "done_writes_total",
+			Help: "Writes reported by done_messages_total's messages."}),
 		fastFailing: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fast_failing",
 			Help: "1 while IO fails at once because the target has been unreachable for longer than --fast-fail-timeout (reconnecting goes on), else 0."}),
 	}
@@ -87,7 +93,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
-			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects, m.fastFailing)
+			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects, m.fastFailing, m.doneMessages, m.doneWrites)
 	}
 	m.registerResize(reg)
 	return m

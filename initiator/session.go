@@ -37,6 +37,12 @@ type session struct {
 	draining bool       // the target is shutting down: no new operations (mu)
 	down     bool       // lost: supervise waits for inflight to drop to 0 (mu)
 
+	// The writes of the run-to-completion path and their Dones, see
+	// doneWindow (mu).
+	dones     int          // Done batches in flight
+	pend      []*ioBuf     // writes whose WRITEs are posted, waiting for a Done batch
+	freeDones []*doneBatch // for reuse, so that no IO allocates
+
 	set atomic.Pointer[queueSet] // the queues of its session, itself among them
 	// withInstance: its Open carried the volume's instance (the target
 	// offered protocol.FeatureOpenInstance).

@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/rblk/rblk/initiator/blockdev"
-	"github.com/rblk/rblk/protocol"
+	"github.com/rblk/rblk/protocol/link"
 )
 
 var _ blockdev.Submitter = (*Volume)(nil)
@@ -55,7 +55,9 @@ func (v *Volume) submit(ctx context.Context, b *ioBuf, q int, off uint64, write,
 }
 
 // start posts the request's chain if its session is up and every chunk it
-// needs is granted, and reports whether it did.
+// needs is granted, and reports whether it did. A write's Done goes in the
+// same chain when the queue's window of Dones has room, else in the next
+// Done batch (see doneWindow).
 func (v *Volume) start(b *ioBuf, n uint64) bool {
 	off, write := b.off, b.write
 	v.plan(b, off, n)
@@ -79,18 +81,57 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 		return false
 	}
 	s.inflight++
+	var db *doneBatch
+	if write && len(s.pend) == 0 && s.dones < doneWindow {
+		// Room in the window: this write's own Done, chained after
+		// its WRITEs.
+		s.pend = append(s.pend, b)
+		db = s.batchLocked()
+	}
 	s.mu.Unlock()
 	s.ops(b, off, off, off+n, write)
-	var msg protocol.Message
-	if write {
-		b.ranges[0] = protocol.Range{Offset: off, Length: n}
-		b.done = protocol.Done{Handle: s.info.Handle, Generation: s.info.Generation, Ranges: b.ranges[:]}
-		msg = &b.done
-	}
 	b.sess, b.start = s, time.Now()
-	if len(b.ops) > s.link.MaxChain() || s.link.Start(b.ctx, b, msg, b.ops...) != nil {
+	var err error
+	switch {
+	case len(b.ops) > s.link.MaxChain():
+		err = link.ErrChainTooLong
+	case !write:
+		err = s.link.Start(b.ctx, b, nil, b.ops...)
+	case db != nil:
+		if err = s.link.Start(b.ctx, db, &db.msg, b.ops...); err == nil {
+			s.sent(1)
+		}
+	default:
+		// The window is full: the WRITEs go now, the Done with the
+		// next batch.
+		if err = s.link.PostOps(b.ctx, b.ops...); err == nil {
+			s.mu.Lock()
+			s.pend = append(s.pend, b)
+			db = s.batchLocked() // the window may have room by now
+			s.mu.Unlock()
+			if db != nil {
+				db.post(true)
+			}
+			return true
+		}
+	}
+	if err != nil {
 		// Nothing posted: the synchronous path sorts it out (a chain in
 		// pieces, the link going down).
+		if db != nil {
+			// b's own batch, never posted: its slot in the window
+			// goes to the writes that queued behind it meanwhile.
+			db.bufs[0] = nil
+			db.bufs = db.bufs[:0]
+			s.mu.Lock()
+			s.dones--
+			s.freeDones = append(s.freeDones, db)
+			next := s.batchLocked()
+			s.mu.Unlock()
+			if next != nil {
+				next.post(true)
+			}
+		}
 		b.sess = nil
 		v.finish(s, b)
 		return false

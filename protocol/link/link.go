@@ -94,7 +94,7 @@ type Callback interface {
 	// (an error wrapping ErrDown: an operation failed, or the link went
 	// down before they completed). It runs on the link's completion
 	// goroutine, or on Start's caller before Start returns, and must not
-	// block nor call Link methods that wait.
+	// block nor call Link methods that wait (TryStart does not).
 	OnComplete(err error)
 }
 
@@ -160,6 +160,11 @@ type Link struct {
 	pongs        []uint64      // tags of KeepAlive requests to answer
 	sqRoom       int           // send queue entries free for RDMA operations
 	sqWaiters    int           // RDMA posts waiting for sqRoom
+	// orphans counts the operations posted by PostOps since the last
+	// chain of Start that ends in a SEND: that chain's completion frees
+	// their room in the send queue too.
+	orphans   int
+	orphanWRs []transport.WorkRequest // PostOps's work requests (mu)
 
 	lastRecv atomic.Int64 // when the last message arrived (UnixNano)
 	pinging  atomic.Bool  // a KeepAlive request is in flight
@@ -369,6 +374,9 @@ func (l *Link) acquire(ctx context.Context, creditMsg bool) (int, error) {
 		l.credits--
 		return slot, nil
 	}
+	if l.down == nil && ctx.Err() != nil {
+		return 0, ctx.Err() // (TryStart's way: no wake-up armed)
+	}
 	stopWake := context.AfterFunc(ctx, func() {
 		l.mu.Lock()
 		l.cond.Broadcast()
@@ -576,6 +584,9 @@ func (l *Link) reserveSQ(ctx context.Context, want int, all bool) (int, error) {
 		l.sqRoom -= k
 		return k, nil
 	}
+	if l.down == nil && ctx.Err() != nil {
+		return 0, ctx.Err()
+	}
 	stopWake := context.AfterFunc(ctx, func() {
 		l.mu.Lock()
 		l.cond.Broadcast()
@@ -776,7 +787,10 @@ func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops
 			return fmt.Errorf("encode %v: %w", msg.Type(), err)
 		}
 		l.toReturn -= credits
-		b.nops = len(ops)
+		// The SEND's completion means every work request before it is
+		// done, the unsignaled ones of PostOps too.
+		b.nops = len(ops) + l.orphans
+		l.orphans = 0
 		l.slotBatch[slot] = id
 		b.wrs = append(b.wrs, transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
 			Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
@@ -787,6 +801,7 @@ func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops
 		delete(l.batches, id)
 		l.sqRoom += len(ops)
 		if slot >= 0 {
+			l.orphans += b.nops - len(ops)
 			l.slotBatch[slot] = 0
 			l.toReturn += credits
 			l.freeSend = append(l.freeSend, slot)
@@ -797,6 +812,80 @@ func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops
 	l.mu.Unlock()
 	if err != nil {
 		l.putBatch(b)
+		if !errors.Is(err, transport.ErrQueueFull) {
+			l.fail(fmt.Errorf("post rdma: %w", err))
+			return l.Err()
+		}
+		return fmt.Errorf("post rdma: %w", err)
+	}
+	return nil
+}
+
+// ErrWouldWait is returned by TryStart where Start would wait.
+var ErrWouldWait = errors.New("link: no send slot, credit or send queue room free now")
+
+// endedCtx is an ended context: Start with it waits for nothing.
+var endedCtx = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
+
+// TryStart is Start that does not wait: where Start would wait for a send
+// slot, a credit or room in the send queue it posts nothing and returns
+// ErrWouldWait. Unlike Start, it may be called from a Callback.
+func (l *Link) TryStart(cb Callback, msg protocol.Message, ops ...Op) error {
+	err := l.Start(endedCtx, cb, msg, ops...)
+	if errors.Is(err, context.Canceled) {
+		return ErrWouldWait
+	}
+	return err
+}
+
+// PostOps posts ops as unsignaled work requests and returns without
+// waiting for them: nothing reports their success. They are known done
+// once a chain that Start posts after them with a message completes, and
+// that completion gives back their room in the send queue: the caller
+// must follow them with one (as a write's RDMA WRITEs are followed by the
+// Done that reports them), whose callback gets the error of any of them
+// that failed (a failure breaks the link). It waits (with ctx) for room in
+// the send queue for all of ops; if it returns an error, nothing was
+// posted. len(ops) may not exceed MaxChain.
+func (l *Link) PostOps(ctx context.Context, ops ...Op) error {
+	if len(ops) > l.MaxChain() {
+		return fmt.Errorf("%w: %d operations", ErrChainTooLong, len(ops))
+	}
+	if len(ops) == 0 {
+		return nil
+	}
+	if _, err := l.reserveSQ(ctx, len(ops), true); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	if l.down != nil {
+		err := l.down
+		l.sqRoom += len(ops)
+		l.cond.Broadcast()
+		l.mu.Unlock()
+		return err
+	}
+	wrs := l.orphanWRs[:0]
+	for _, op := range ops {
+		// Batch 0 is no batch: a failure is reported by the link going
+		// down, and to the chain that follows.
+		wrs = append(wrs, rdmaWR(0, op, false, 0))
+	}
+	l.orphanWRs = wrs
+	err := l.conn.PostSend(wrs...)
+	clear(wrs)
+	if err == nil {
+		l.orphans += len(ops)
+	} else {
+		l.sqRoom += len(ops)
+		l.cond.Broadcast()
+	}
+	l.mu.Unlock()
+	if err != nil {
 		if !errors.Is(err, transport.ErrQueueFull) {
 			l.fail(fmt.Errorf("post rdma: %w", err))
 			return l.Err()
@@ -971,7 +1060,11 @@ func (l *Link) complete(c *transport.Completion) {
 		}
 		b := l.batches[id]
 		if b == nil {
+			// PostOps's (batch 0), or a batch that ended already.
 			l.mu.Unlock()
+			if c.Status != transport.StatusSuccess && c.Status != transport.StatusFlushed {
+				l.fail(c.Err())
+			}
 			return
 		}
 		if c.Status != transport.StatusSuccess && b.err == nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -118,6 +119,108 @@ func TestStartFailure(t *testing.T) {
 	select {
 	case r := <-never.ch:
 		t.Fatalf("callback of a Start that failed was called: %v", r.err)
+	default:
+	}
+}
+
+// TestPostOpsThenDone: WRITEs posted with PostOps are done when a Done
+// started after them completes, which gives their send-queue room back:
+// rounds of a full send queue of them never wait. A failed one takes the
+// link down, and the Done after it calls back with the error.
+func TestPostOpsThenDone(t *testing.T) {
+	p := newPair(t, 8, 0)
+	remote, local := p.regions(t)
+	lb := local.Bytes()
+	n := p.client.MaxChain()
+	ops := make([]Op, n)
+	for i := range ops {
+		ops[i] = Op{Write: true, Local: transport.SGE{Region: local, Offset: i * 64, Length: 64}, Addr: remote.Addr() + uint64(i*64), RKey: remote.RKey()}
+	}
+	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: uint64(n * 64)}}}
+	for round := range 5 {
+		for i := range n * 64 {
+			lb[i] = byte(round*31 + i)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		// The whole room, in two posts: a wait for room would time out.
+		if err := p.client.PostOps(ctx, ops[:n/2]...); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		if err := p.client.PostOps(ctx, ops[n/2:]...); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+		cancel()
+		cb := &chanCallback{ch: make(chan startResult, 1), check: func() bool {
+			return bytes.Equal(remote.Bytes()[:n*64], lb[:n*64])
+		}}
+		if err := p.client.TryStart(cb, done); err != nil {
+			t.Fatalf("round %d: TryStart: %v", round, err)
+		}
+		if r := cb.wait(t); r.err != nil || !r.placed {
+			t.Fatalf("round %d: callback err %v, data placed %v", round, r.err, r.placed)
+		}
+	}
+	if err := p.client.PostOps(context.Background(), make([]Op, n+1)...); !errors.Is(err, ErrChainTooLong) {
+		t.Fatalf("PostOps of MaxChain+1: %v, want ErrChainTooLong", err)
+	}
+
+	// A WRITE the peer refuses (a wrong rkey).
+	bad := ops[0]
+	bad.RKey++
+	if err := p.client.PostOps(context.Background(), bad); err != nil {
+		t.Fatal(err)
+	}
+	cb := &chanCallback{ch: make(chan startResult, 1)}
+	if err := p.client.Start(context.Background(), cb, done); err != nil && !errors.Is(err, ErrDown) {
+		t.Fatal(err)
+	} else if err == nil {
+		if r := cb.wait(t); !errors.Is(r.err, ErrDown) {
+			t.Fatalf("the Done after a refused WRITE: %v, want ErrDown", r.err)
+		}
+	}
+	select {
+	case <-p.client.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a refused WRITE of PostOps did not take the link down")
+	}
+	if err := p.client.TryStart(cb, done); !errors.Is(err, ErrDown) {
+		t.Fatalf("TryStart on a link that is down: %v, want ErrDown", err)
+	}
+}
+
+// TestTryStartWouldWait: where Start would wait for a credit, TryStart
+// posts nothing and says so.
+func TestTryStartWouldWait(t *testing.T) {
+	release := make(chan struct{})
+	got := make(chan struct{}, 4)
+	p := newPairWith(t, pairConfig{recvBuffers: 2, server: func(o *Options) {
+		// The peer's handler keeps its receive buffers, so no credit
+		// comes back.
+		o.Handler = func(protocol.Header, []byte) {
+			got <- struct{}{}
+			<-release
+		}
+	}})
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(release) }) }
+	t.Cleanup(unblock) // (before the pair closes)
+	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
+	cb := &chanCallback{ch: make(chan startResult, 2)}
+	// 2 credits, 1 kept for Credit messages: one Done goes.
+	if err := p.client.TryStart(cb, done); err != nil {
+		t.Fatal(err)
+	}
+	<-got
+	if err := p.client.TryStart(cb, done); !errors.Is(err, ErrWouldWait) {
+		t.Fatalf("TryStart without credits: %v, want ErrWouldWait", err)
+	}
+	unblock() // (the peer's transport acknowledges the SEND once its handler returned)
+	if r := cb.wait(t); r.err != nil {
+		t.Fatalf("the Done that went: %v", r.err)
+	}
+	select {
+	case r := <-cb.ch:
+		t.Fatalf("the Done that did not go called back: %v", r.err)
 	default:
 	}
 }

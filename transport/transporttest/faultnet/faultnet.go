@@ -127,6 +127,7 @@ type Conn struct {
 
 	mu   sync.Mutex
 	held []transport.Completion // polled while a delay was cut short by ctx
+	gate chan struct{}          // while not nil, Poll keeps what it got (Hold)
 }
 
 // Disconnect breaks the connection as if the cable was pulled: the
@@ -169,8 +170,33 @@ func (c *Conn) Disconnected() bool { return c.disconnected.Load() }
 // them, as a slow completion path would; 0 stops delaying.
 func (c *Conn) Delay(d time.Duration) { c.delay.Store(int64(d)) }
 
-// Poll polls the wrapped conn, then holds what it got for the delay.
+// Hold makes Poll keep the completions it gets, from now until Release,
+// as a completion path that stalls would: the owner sees none of them
+// meanwhile, then all of them, in order. Its peer is not affected.
+func (c *Conn) Hold() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gate == nil {
+		c.gate = make(chan struct{})
+	}
+}
+
+// Release ends Hold: Poll returns what it kept.
+func (c *Conn) Release() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.gate != nil {
+		close(c.gate)
+		c.gate = nil
+	}
+}
+
+// Poll polls the wrapped conn, then holds what it got for the delay, or
+// until Release after Hold.
 func (c *Conn) Poll(ctx context.Context, out []transport.Completion) (int, error) {
+	if err := c.waitRelease(ctx); err != nil {
+		return 0, err
+	}
 	c.mu.Lock()
 	if len(c.held) > 0 {
 		n := copy(out, c.held)
@@ -180,19 +206,48 @@ func (c *Conn) Poll(ctx context.Context, out []transport.Completion) (int, error
 	}
 	c.mu.Unlock()
 	n, err := c.Conn.Poll(ctx, out)
-	d := time.Duration(c.delay.Load())
-	if n == 0 || d <= 0 {
+	if n == 0 {
 		return n, err
 	}
-	t := time.NewTimer(d)
-	defer t.Stop()
+	// Held from now on (Hold came while this Poll waited), or delayed.
+	c.mu.Lock()
+	gate := c.gate
+	c.mu.Unlock()
+	var wait <-chan time.Time
+	if gate == nil {
+		d := time.Duration(c.delay.Load())
+		if d <= 0 {
+			return n, err
+		}
+		t := time.NewTimer(d)
+		defer t.Stop()
+		wait = t.C
+	}
 	select {
-	case <-t.C:
+	case <-wait:
+		return n, nil
+	case <-gate:
 		return n, nil
 	case <-ctx.Done():
 		c.mu.Lock()
 		c.held = append(c.held, out[:n]...)
 		c.mu.Unlock()
 		return 0, ctx.Err()
+	}
+}
+
+// waitRelease waits while the conn is held (Hold), or until ctx ends.
+func (c *Conn) waitRelease(ctx context.Context) error {
+	c.mu.Lock()
+	gate := c.gate
+	c.mu.Unlock()
+	if gate == nil {
+		return nil
+	}
+	select {
+	case <-gate:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
