@@ -68,6 +68,21 @@ func (s *session) batchLocked() *doneBatch {
 	return db
 }
 
+// batchEndedLocked counts a Done batch out of the window and takes the
+// next one, if writes wait for it. s.mu is held.
+func (s *session) batchEndedLocked() *doneBatch {
+	s.dones--
+	return s.batchLocked()
+}
+
+// freeLocked keeps db for reuse. s.mu is held.
+func (s *session) freeLocked(db *doneBatch) {
+	clear(db.bufs)
+	db.bufs = db.bufs[:0]
+	db.ctx = nil
+	s.freeDones = append(s.freeDones, db)
+}
+
 // sent counts a Done posted that reports n writes.
 func (s *session) sent(n int) {
 	s.v.m.doneMessages.Inc()
@@ -83,8 +98,8 @@ func (db *doneBatch) post(wait bool) {
 	s, n := db.s, len(db.bufs) // (db may be done and reused once posted)
 	var err error
 	if wait {
-		err = db.s.link.Start(db.ctx, db, &db.msg)
-	} else if err = db.s.link.TryStart(db, &db.msg); errors.Is(err, link.ErrWouldWait) {
+		err = s.link.Start(db.ctx, db, &db.msg)
+	} else if err = s.link.TryStart(db, &db.msg); errors.Is(err, link.ErrWouldWait) {
 		go db.post(true)
 		return
 	}
@@ -100,8 +115,7 @@ func (db *doneBatch) post(wait bool) {
 func (db *doneBatch) OnComplete(err error) {
 	s := db.s
 	s.mu.Lock()
-	s.dones--
-	next := s.batchLocked()
+	next := s.batchEndedLocked()
 	s.mu.Unlock()
 	if next != nil {
 		next.post(false)
@@ -110,9 +124,7 @@ func (db *doneBatch) OnComplete(err error) {
 		db.bufs[i] = nil
 		b.OnComplete(err)
 	}
-	db.bufs = db.bufs[:0]
-	db.ctx = nil
 	s.mu.Lock()
-	s.freeDones = append(s.freeDones, db)
+	s.freeLocked(db)
 	s.mu.Unlock()
 }

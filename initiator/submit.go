@@ -121,12 +121,9 @@ func (v *Volume) start(b *ioBuf, n uint64) bool {
 		if db != nil {
 			// b's own batch, never posted: its slot in the window
 			// goes to the writes that queued behind it meanwhile.
-			db.bufs[0] = nil
-			db.bufs = db.bufs[:0]
 			s.mu.Lock()
-			s.dones--
-			s.freeDones = append(s.freeDones, db)
-			next := s.batchLocked()
+			s.freeLocked(db)
+			next := s.batchEndedLocked()
 			s.mu.Unlock()
 			if next != nil {
 				next.post(true)
