@@ -99,9 +99,16 @@ func (db *doneBatch) post(wait bool) {
 	var err error
 	if wait {
 		err = s.link.Start(db.ctx, db, &db.msg)
-	} else if err = s.link.TryStart(db, &db.msg); errors.Is(err, link.ErrWouldWait) {
-		go db.post(true)
-		return
+	} else {
+		if testHookWouldWait != nil && testHookWouldWait() {
+			err = link.ErrWouldWait
+		} else {
+			err = s.link.TryStart(db, &db.msg)
+		}
+		if errors.Is(err, link.ErrWouldWait) {
+			go db.post(true)
+			return
+		}
 	}
 	if err != nil {
 		db.OnComplete(err)
@@ -109,6 +116,10 @@ func (db *doneBatch) post(wait bool) {
 	}
 	s.sent(n)
 }
+
+// testHookWouldWait, set by tests only, makes post from a callback act as
+// if the link had no send slot or credit free when it returns true.
+var testHookWouldWait func() bool
 
 // OnComplete ends a Done batch (link.Callback): the window has room for
 // the next one, which goes out first; then each write completes.

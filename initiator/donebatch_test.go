@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -143,6 +144,29 @@ func TestHeldWritesLostConnection(t *testing.T) {
 	// those acknowledged before it broke.
 	if err := v.Flush(context.Background()); err != nil && !errors.Is(err, initiator.ErrLostWrites) {
 		t.Fatalf("flush: %v", err)
+	}
+	checkWritten(t, r, v, offs, datas)
+}
+
+// TestDonePostedWhenLinkWouldWait: a Done batch that the completion path
+// cannot post without waiting (no send slot or credit free: forced here)
+// is posted by a goroutine of its own; its writes complete and their data
+// is in the volume and the file.
+func TestDonePostedWhenLinkWouldWait(t *testing.T) {
+	r := startTarget(t, 4<<20, 4<<20, 1<<20, false)
+	fn := faultnet.Wrap(r.p)
+	v := r.openWith(initiator.Options{Provider: fn, Queues: 1})
+	for off := uint64(0); off < 4<<20; off += 1 << 20 {
+		if err := write(t, v, off, []byte("grant"), false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var forced atomic.Int64
+	initiator.SetTestHookWouldWait(func() bool { forced.Add(1); return true })
+	defer initiator.SetTestHookWouldWait(nil)
+	offs, datas := heldWrites(t, v, fn.Conns()[0], 64, nil)
+	if forced.Load() == 0 {
+		t.Fatal("no Done batch was posted from the completion path")
 	}
 	checkWritten(t, r, v, offs, datas)
 }

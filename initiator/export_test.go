@@ -7,3 +7,9 @@ func SetTestHookWriteAcked(f func()) { testHookWriteAcked = f }
 
 // DoneWindow is doneWindow, for the tests of Done batches.
 const DoneWindow = doneWindow
+
+// SetTestHookWouldWait makes a Done batch posted from a link callback take
+// the way of a link without a free send slot or credit (a goroutine that
+// waits for one) while f returns true (nil: never). Not with tests in
+// parallel.
+func SetTestHookWouldWait(f func() bool) { testHookWouldWait = f }
