@@ -19,7 +19,7 @@ STATICCHECK ?= $(shell command -v staticcheck 2>/dev/null || echo $(GOBIN_DIR)/s
 # rdma says how to get it and auto uses tcp.
 TAGS      ?= $(shell test -e /usr/include/infiniband/verbs.h -a -e /usr/include/rdma/rdma_cma.h && echo rdma)
 
-.PHONY: all help build docs test unit e2e fuzz bench bench-bundle gobench lint quickstart install uninstall clean
+.PHONY: all help build docs test unit e2e vm-test fuzz bench bench-bundle gobench lint quickstart install uninstall clean
 
 all: build
 
@@ -28,6 +28,8 @@ help:
 	@echo "make test        scripts/test.sh: installs tools, runs every check (what CI runs)"
 	@echo "make unit        go test -race ./... (but e2e)"
 	@echo "make e2e         the end-to-end tests of e2e/ (no skipping: RBLK_E2E_REQUIRE=1)"
+	@echo "make vm-test     scripts/vm-test.sh: every guest scenario (e2e over verbs on the NBD socket and /dev/nbdN, soak,"
+	@echo "                 csi-sanity, ublk, the fio table) on kernels 6.1 and 6.12 (make test runs a share of it on each)"
 	@echo "make fuzz        every fuzz target of protocol/ for FUZZTIME=$(FUZZTIME) each"
 	@echo "make bench       bench/bench.sh: rblk beside nbdkit and qemu-nbd (bare), then beside NVMe-oF RDMA (guest);"
 	@echo "                 table.md, results.json and plots in bench/out/DATE (RBLK_BENCH_SKIP_VM=1: bare only)"
@@ -59,6 +61,9 @@ unit:
 
 e2e:
 	RBLK_E2E_REQUIRE=1 $(GO) test -count=1 -v -timeout 15m ./e2e/
+
+vm-test:
+	bash scripts/vm-test.sh
 
 fuzz:
 	@set -e; for pkg in $$($(GO) list ./protocol/...); do \

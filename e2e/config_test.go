@@ -63,7 +63,7 @@ func (tg *target) hup(t *testing.T, result string, want float64) {
 // least want, failing t after 30 seconds.
 func waitLabeled(t *testing.T, addr, name, label string, want float64) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(patient(30 * time.Second))
 	for {
 		v, _ := metricSum(scrape(t, addr), name, label)
 		if v >= want {
@@ -131,7 +131,7 @@ func TestReloadUnderIO(t *testing.T) {
 			!strings.Contains(atC.out.String(), "no such export") {
 			t.Errorf("c's attach does not say it drained and its export is gone:\n%s", atC.out.String())
 		}
-	case <-time.After(30 * time.Second):
+	case <-time.After(patient(30 * time.Second)):
 		t.Errorf("c's attach still runs 30s after its export was removed:\n%s", atC.out.String())
 	}
 	cimg, err := os.ReadFile(c[1])

@@ -47,7 +47,7 @@ func TestCSIMirror(t *testing.T) {
 	}
 	authFile, secretA, _ := authFiles(t)
 	storage, ctrl, dir := csiTargets(t, authFile, "zone-a", "zone-b")
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(8*time.Minute))
 	defer cancel()
 
 	mount := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
@@ -89,7 +89,7 @@ func TestCSIMirror(t *testing.T) {
 		if !unstaged {
 			unix.Unmount(target, unix.MNT_DETACH)
 			unix.Unmount(staging, unix.MNT_DETACH)
-			dctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			dctx, cancel := context.WithTimeout(context.Background(), patient(time.Minute))
 			defer cancel()
 			mirrors.Detach(dctx, vol.VolumeId)
 		}

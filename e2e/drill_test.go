@@ -35,7 +35,7 @@ func TestNodeFailureDrill(t *testing.T) {
 	needTools(t, "qemu-io", "fio")
 	authFile, secretA, secretB := authFiles(t)
 	tg, ctrl, dir := csiTarget(t, authFile)
-	ctx, cancel := context.WithTimeout(context.Background(), cmdTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(cmdTimeout))
 	defer cancel()
 	capability := blockCapability()
 	vol := createVolume(ctx, t, ctrl, "pvc-drill", capability)
@@ -77,7 +77,7 @@ func TestNodeFailureDrill(t *testing.T) {
 	// fenced, and fio with it.
 	select {
 	case <-a.done:
-	case <-time.After(stopTimeout):
+	case <-time.After(patient(stopTimeout)):
 		t.Fatalf("node A's rblk-attach still runs after its unpublish\n%s", a.out.String())
 	}
 	if a.waitErr == nil || !strings.Contains(a.out.String(), `host "host-a" fenced off export "`+export+`"`) {

@@ -34,7 +34,7 @@ func TestNodeFailureDrillNodes(t *testing.T) {
 	needTools(t, "fio", "blkid")
 	authFile, secretA, secretB := authFiles(t)
 	tg, ctrl, dir := csiTarget(t, authFile)
-	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(6*time.Minute))
 	defer cancel()
 
 	block := blockCapability()
@@ -121,7 +121,7 @@ func TestNodeFailureDrillNodes(t *testing.T) {
 	// A's writes after the fence failed.
 	select {
 	case <-fioA.done:
-	case <-time.After(stopTimeout):
+	case <-time.After(patient(stopTimeout)):
 		t.Fatal("node A's fio still runs after its unpublish")
 	}
 	if fioA.r.code == 0 && !strings.Contains(fioA.r.stdout+fioA.r.stderr, "error") {

@@ -105,7 +105,7 @@ func (f *fuseLoop) detach() {
 		f.dev = ""
 	}
 	// The loop device lets go of the file asynchronously: retry while busy.
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(patient(30 * time.Second))
 	for {
 		r := run(f.t, cmdTimeout, "fusermount3", "-u", f.dir)
 		if r.code == 0 {
@@ -119,7 +119,7 @@ func (f *fuseLoop) detach() {
 	f.fuseDown = true
 	select {
 	case <-f.nbdfuse.done:
-	case <-time.After(30 * time.Second):
+	case <-time.After(patient(30 * time.Second)):
 		f.t.Fatalf("nbdfuse did not exit after fusermount3 -u")
 	}
 	if f.nbdfuse.waitErr != nil {

@@ -54,6 +54,7 @@ func faultSeed(t *testing.T) *rand.Rand {
 // after timeout.
 func pollUntil(t *testing.T, timeout time.Duration, what string, cond func() bool) {
 	t.Helper()
+	timeout = patient(timeout)
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
@@ -117,7 +118,7 @@ func startSlowDisk(t *testing.T, content []byte, wdelay string) *slowDisk {
 // it to exit.
 func (d *slowDisk) unmount(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(patient(20 * time.Second))
 	for !d.nbdfuse.exited() {
 		if r, ok := runCmd(t, cmdTimeout, "fusermount3", "-u", d.mnt); ok && r.code == 0 {
 			break
@@ -130,7 +131,7 @@ func (d *slowDisk) unmount(t *testing.T) {
 	}
 	select {
 	case <-d.nbdfuse.done:
-	case <-time.After(20 * time.Second):
+	case <-time.After(patient(20 * time.Second)):
 		t.Errorf("nbdfuse did not exit after fusermount3 -u")
 	}
 }
@@ -183,7 +184,7 @@ func (d *slowDisk) readReal(t *testing.T) []byte {
 // /metrics answers; the port may take a moment to be free.
 func startTargetOn(t *testing.T, addr string, exports []string, extra ...string) *target {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(patient(20 * time.Second))
 	for {
 		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 		p := startProc(t, "rblkd", rblkdBin, serveArgs(addr, metrics, exports, extra)...)
@@ -211,7 +212,7 @@ func (p *proc) kill9(t *testing.T) {
 	}
 	select {
 	case <-p.done:
-	case <-time.After(30 * time.Second):
+	case <-time.After(patient(30 * time.Second)):
 		t.Fatalf("%s still running 30s after SIGKILL", p.name)
 	}
 }
@@ -234,7 +235,7 @@ func startProxy(t *testing.T, addr string) *faultproxy.Proxy {
 // ctxFor is a context with a timeout, cancelled by a cleanup.
 func ctxFor(t *testing.T, d time.Duration) context.Context {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), d)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(d))
 	t.Cleanup(cancel)
 	return ctx
 }

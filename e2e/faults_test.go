@@ -381,7 +381,7 @@ func startFio(t *testing.T, args ...string) *fioRun {
 	needTools(t, "fio")
 	path, _ := toolPath("fio")
 	f := &fioRun{args: append([]string{"--output-format=json"}, args...), done: make(chan struct{})}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(4*time.Minute))
 	cmd := exec.CommandContext(ctx, path, f.args...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -546,7 +546,7 @@ func TestFaultLinkReset(t *testing.T) {
 				t.Fatal(err)
 			}
 			after := int64(512<<10 + rng.IntN(4<<20))
-			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			ctx, cancel := context.WithTimeout(context.Background(), patient(60*time.Second))
 			err = c.WaitFor(ctx, func(s faultproxy.Stats) bool {
 				return s.Received[faultproxy.ClientToServer] >= after || fio.exited()
 			})
@@ -856,7 +856,7 @@ func startGrantHog(t *testing.T, addr, export string, chunkSize, chunks int) *gr
 	t.Cleanup(h.stop)
 	select {
 	case <-h.holding:
-	case <-time.After(30 * time.Second):
+	case <-time.After(patient(30 * time.Second)):
 		t.Fatalf("grant hog: no grants within 30s: %v", h.err())
 	}
 	return h

@@ -38,6 +38,37 @@ var (
 // for panics and races, and what is left when the test binary dies.
 var logDir string
 
+// timeScale (RBLK_E2E_TIME_SCALE, a number >= 1, default 1) stretches the
+// suite's give-up bounds, through patient: how long a test waits for a
+// daemon to be ready, a metric to move, a command or fio to end, a process
+// to stop, before it fails. Under emulation (the guest of
+// scripts/vm-test.sh: qemu's TCG, binaries built with -race, several tests
+// at once on two vCPUs) everything takes several times longer, and a bound
+// sized for a real machine fails a test that is only slow. What a test
+// asserts about time (a fast-fail time, a keepalive, a refusal that must
+// come at once) is not scaled, and a test whose IO is only there to keep
+// the data path busy may do less of it (emulated).
+var timeScale = 1.0
+
+// patient is d stretched by RBLK_E2E_TIME_SCALE: a give-up bound.
+func patient(d time.Duration) time.Duration { return time.Duration(float64(d) * timeScale) }
+
+// emulated reports whether the suite runs stretched (RBLK_E2E_TIME_SCALE > 1).
+func emulated() bool { return timeScale > 1 }
+
+func parseTimeScale() error {
+	v := os.Getenv("RBLK_E2E_TIME_SCALE")
+	if v == "" {
+		return nil
+	}
+	f, err := strconv.ParseFloat(v, 64)
+	if err != nil || f < 1 || f > 100 {
+		return fmt.Errorf("RBLK_E2E_TIME_SCALE=%q: want a number from 1 to 100", v)
+	}
+	timeScale = f
+	return nil
+}
+
 func TestMain(m *testing.M) {
 	os.Exit(runMain(m))
 }
@@ -49,6 +80,13 @@ func runMain(m *testing.M) int {
 		return 1
 	}
 	e2e = c
+	if err := parseTimeScale(); err != nil {
+		fmt.Fprintln(os.Stderr, "e2e:", err)
+		return 1
+	}
+	if timeScale != 1 {
+		fmt.Fprintf(os.Stderr, "e2e: give-up bounds stretched %gx (RBLK_E2E_TIME_SCALE)\n", timeScale)
+	}
 	if d := os.Getenv("RBLK_E2E_LOG_DIR"); d != "" {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			fmt.Fprintln(os.Stderr, "e2e: RBLK_E2E_LOG_DIR:", err)
@@ -278,7 +316,7 @@ func startProcEnv(t *testing.T, name string, env []string, bin string, args ...s
 				p.cmd.Process.Signal(syscall.SIGQUIT)
 				select {
 				case <-p.done:
-				case <-time.After(10 * time.Second):
+				case <-time.After(patient(10 * time.Second)):
 				}
 			}
 			p.cmd.Process.Kill()
@@ -333,6 +371,7 @@ func (p *proc) stop(t *testing.T, timeout time.Duration) {
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("SIGTERM %s: %v", p.name, err)
 	}
+	timeout = patient(timeout)
 	select {
 	case <-p.done:
 	case <-time.After(timeout):
@@ -551,6 +590,7 @@ func nbdGreets(sock string) bool {
 
 // waitUntil polls ready until it holds, p exits, or the timeout passes.
 func waitUntil(p *proc, timeout time.Duration, ready func() bool) error {
+	timeout = patient(timeout)
 	deadline := time.Now().Add(timeout)
 	for {
 		if p.exited() {
@@ -567,7 +607,7 @@ func waitUntil(p *proc, timeout time.Duration, ready func() bool) error {
 }
 
 func httpOK(url string) bool {
-	c := http.Client{Timeout: 2 * time.Second}
+	c := http.Client{Timeout: patient(2 * time.Second)}
 	resp, err := c.Get(url)
 	if err != nil {
 		return false
@@ -616,6 +656,7 @@ func runCmd(t *testing.T, timeout time.Duration, name string, args ...string) (r
 			path = p
 		}
 	}
+	timeout = patient(timeout)
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, path, args...)
@@ -652,7 +693,7 @@ func mustRun(t *testing.T, timeout time.Duration, name string, args ...string) r
 // scrape returns the text of a /metrics page.
 func scrape(t *testing.T, addr string) string {
 	t.Helper()
-	c := http.Client{Timeout: 5 * time.Second}
+	c := http.Client{Timeout: patient(5 * time.Second)}
 	resp, err := c.Get("http://" + addr + "/metrics")
 	if err != nil {
 		t.Fatalf("scrape %s: %v", addr, err)
@@ -711,7 +752,7 @@ func metric(t *testing.T, addr, name string, labels ...string) float64 {
 // after 15 seconds.
 func waitMetric(t *testing.T, addr, name string, ok func(float64) bool, want string) float64 {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(patient(15 * time.Second))
 	for {
 		v := metric(t, addr, name)
 		if ok(v) {

@@ -44,7 +44,7 @@ func waitExit(t *testing.T, p *proc, what string) string {
 	t.Helper()
 	select {
 	case <-p.done:
-	case <-time.After(60 * time.Second):
+	case <-time.After(patient(60 * time.Second)):
 		t.Fatalf("%s: still running", what)
 	}
 	return p.out.String()

@@ -81,7 +81,7 @@ management:
 		t.Cleanup(func() { cc.Close() })
 		return c
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cmdTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(cmdTimeout))
 	defer cancel()
 	csi := client(tlsDir, "csi-controller")
 	cr, err := csi.CreateVolume(ctx, &managepb.CreateVolumeRequest{Pool: "fast", Name: "pvc-7", SizeBytes: 16 << 20})
@@ -99,7 +99,7 @@ management:
 	}
 	select {
 	case <-a.done:
-	case <-time.After(stopTimeout):
+	case <-time.After(patient(stopTimeout)):
 		t.Fatalf("rblk-attach of node-a still runs after its unpublish\n%s", a.out.String())
 	}
 	a.checkOutput(t)

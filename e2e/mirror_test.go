@@ -78,7 +78,7 @@ func startMirror(t *testing.T, name string) *mirrorRig {
 func (r *mirrorRig) close() {
 	r.stop()
 	<-r.done
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(time.Minute))
 	defer cancel()
 	if err := mirror.Down(ctx, r.o); err != nil {
 		r.t.Errorf("stop the array: %v", err)

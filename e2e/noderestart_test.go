@@ -41,7 +41,7 @@ func TestNodePluginRestart(t *testing.T) {
 	needTools(t, "fio", "mkfs.ext4", "resize2fs", "blkid")
 	authFile, secretA, _ := authFiles(t)
 	tg, ctrl, dir := csiTarget(t, authFile)
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(8*time.Minute))
 	defer cancel()
 
 	mount := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},

@@ -109,7 +109,7 @@ func TestPoolVolumes(t *testing.T) {
 	// does not come back.
 	select {
 	case <-a.done:
-	case <-time.After(stopTimeout):
+	case <-time.After(patient(stopTimeout)):
 		t.Fatalf("rblk-attach of node-a still runs after its unpublish\n%s", a.out.String())
 	}
 	if a.waitErr == nil || !strings.Contains(a.out.String(), `host "node-a" fenced off export "fast:pvc-1"`) {

@@ -74,7 +74,7 @@ func (s *lifetime) closedWithin(t *testing.T, d time.Duration, what string) {
 func dialSilentSession(t *testing.T, p transport.Provider, addr string) (*silentSession, time.Time, error) {
 	t.Helper()
 	start := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(10*time.Second))
 	defer cancel()
 	l, err := link.Dial(ctx, p, addr, link.Options{Handler: func(protocol.Header, []byte) {}})
 	if err != nil {
@@ -151,6 +151,8 @@ func TestBeforeAuthentication(t *testing.T) {
 	if e2eTransport() == "rdma" {
 		handshake = 8 * time.Second
 	}
+	// (rblkd's setting: under emulation a dial alone may take seconds)
+	handshake = patient(handshake)
 	tg := startTarget(t, []string{"vol=" + filepath.Join(dir, "vol.img") + ",size=4M,shared"}, "--auth-file", authFile,
 		"--handshake-timeout", handshake.String(), "--max-unauthenticated", "8", "--max-handles-per-session", "4")
 
@@ -207,7 +209,7 @@ func TestBeforeAuthentication(t *testing.T) {
 	qemuIO(t, at.uri("vol"), []qop{{kind: 'w', pattern: 0x6b, n: 64 << 10}, {kind: 'r', pattern: 0x6b, n: 64 << 10}})
 
 	// Opens beyond --max-handles-per-session, many of them.
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), patient(60*time.Second))
 	defer cancel()
 	pb, _ := clientProvider(t, "127.0.0.4")
 	l, err := rawAuth(ctx, pb, tg.addr, "host-b", []byte(e2eSecretB))

@@ -172,7 +172,7 @@ func TestOneWriterAndTakeover(t *testing.T) {
 	// The old holder is fenced: its rblk-attach ends, its IO fails.
 	select {
 	case <-a.done:
-	case <-time.After(30 * time.Second):
+	case <-time.After(patient(30 * time.Second)):
 		t.Fatal("the fenced holder's rblk-attach is still running")
 	}
 	if a.waitErr == nil || !strings.Contains(a.out.String(), "fenced") || !strings.Contains(a.out.String(), `host "host-b" took export "vol" over`) {

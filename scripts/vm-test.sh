@@ -45,21 +45,27 @@
 #                                          # (6.1:socket,nbd: both; a kernel
 #                                          # not named: RBLK_VM_E2E_DEVICES);
 #                                          # RBLK_VM_E2E_SKIP_KERNELS="6.12:RE"
+#                                          # is -test.skip RE on 6.12;
+#                                          # RBLK_VM_E2E_RUN_KERNELS="6.12:RE"
+#                                          # is -test.run RE on 6.12
 #   RBLK_VM_E2E_ALSO_KERNELS="6.1:nbd:RE"  # and, on that kernel, the tests RE
 #                                          # on that device too
-#                                          # is -test.skip RE on 6.12
 #   RBLK_VM_SOAK_KERNELS=6.12 ...          # the soak on 6.12 only (the
-#                                          # others skip it, and say so)
+#                                          # others skip it, and say so;
+#                                          # "none": on no kernel; so too
+#                                          # RBLK_VM_BENCH_KERNELS and
+#                                          # RBLK_VM_CSI_KERNELS)
 #   RBLK_VM_CSI_KERNELS=6.12 ...           # the csi scenario (csi-sanity
 #                                          # with Node, on /dev/nbdN) on
 #                                          # 6.12 only
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, RBLK_VM_HOG, RBLK_VM_E2E_DEVICES, RBLK_VM_E2E_RUN,
-# RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_RUN, RBLK_VM_SOAK_E2E_RUN,
+# RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_RUN, RBLK_VM_SOAK_E2E_RUN, RBLK_VM_TIME_SCALE,
 # RBLK_VM_SOAK_E2E_DEVICE, RBLK_RDMA_FAILPOINTS, RBLK_FAULT_SEED, and the
 # table's FIO_REPS, FIO_RUNTIME, FIO_RAMP, BENCH_MB, BENCH_QUEUES,
 # BENCH_NULL_JOBS, BENCH_MIRROR_JOBS, BENCH_MIRROR_BITMAP, BENCH_TCP, BENCH_TCP_JOBS (vm/rblk-e2e.sh). RBLK_VM_MEM (default 3G here) and
-# RBLK_VM_TIMEOUT (default: 1500 s plus 900 s per soak run) size the guest.
+# RBLK_VM_TIMEOUT (default: 2700 s plus 1500 s per soak run; every scenario
+# takes about 70 minutes on a machine that emulates slowly) size the guest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/go/bin
@@ -122,7 +128,7 @@ if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
 : >"$art/env.base"
-for v in RBLK_TRANSPORT RBLK_VM_CSI_MIRROR_BLOCK RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN RBLK_VM_HOG RBLK_VM_E2E_DEVICES RBLK_VM_E2E_RUN RBLK_VM_E2E_SKIP RBLK_VM_E2E_PARALLEL RBLK_VM_SOAK_RUNS \
+for v in RBLK_TRANSPORT RBLK_VM_TIME_SCALE RBLK_VM_CSI_MIRROR_BLOCK RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN RBLK_VM_HOG RBLK_VM_E2E_DEVICES RBLK_VM_E2E_RUN RBLK_VM_E2E_SKIP RBLK_VM_E2E_PARALLEL RBLK_VM_SOAK_RUNS \
 	RBLK_VM_SOAK_SUITES RBLK_VM_SOAK_RUN RBLK_VM_SOAK_E2E_RUN RBLK_VM_SOAK_E2E_DEVICE RBLK_RDMA_FAILPOINTS RBLK_FAULT_SEED \
 	FIO_REPS FIO_RUNTIME FIO_RAMP FIO_JOBS BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS BENCH_MIRROR_JOBS BENCH_MIRROR_BITMAP BENCH_TCP BENCH_TCP_JOBS; do
 	if [ -n "${!v:-}" ]; then
@@ -165,11 +171,14 @@ run_kernel() {
 	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
 	done
+	for p in ${RBLK_VM_E2E_RUN_KERNELS:-}; do
+		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_RUN=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
 	# More e2e tests on another device, on this kernel: KERNEL:DEVICE:REGEXP.
 	for p in ${RBLK_VM_E2E_ALSO_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_ALSO_DEVICE=%q RBLK_VM_E2E_ALSO_RUN=%q\n' "${v%%:*}" "${v#*:}" >>"$art/env.sh"; }
 	done
-	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((1500 + 900 * ${RBLK_VM_SOAK_RUNS:-1}))} \
+	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((2700 + 1500 * ${RBLK_VM_SOAK_RUNS:-1}))} \
 		RBLK_VM_MEM=${RBLK_VM_MEM:-3G} vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
 	scen=$(awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $3, $1 }' "$out/scenarios.txt" 2>/dev/null || true)

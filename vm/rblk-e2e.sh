@@ -924,6 +924,12 @@ verdict() {
 	[ "$rc" = 0 ] && [ "$fail" = 0 ] && [ -z "$bad" ] && [ -z "$badskip" ]
 }
 
+# The e2e suite's give-up bounds (how long it waits for a daemon, a metric,
+# a command, fio) stretched RBLK_VM_TIME_SCALE times (default 4): under
+# TCG, with -race and four tests at once on two vCPUs, a machine that
+# emulates slowly takes that much longer (RBLK_E2E_TIME_SCALE, e2e/).
+E2E_TIME_SCALE=${RBLK_VM_TIME_SCALE:-4}
+
 # e2e: the e2e suite (e2e/, built with -race -tags rdma,failpoints, as are
 # the rblkd and rblk-attach it drives, in race/) over the verbs provider on
 # rxe0 (RBLK_E2E_TRANSPORT=rdma, RBLK_E2E_ADDR), once per device of
@@ -947,7 +953,7 @@ scen_e2e() {
 		mkdir -p "$out/procs"
 		step "e2e suite over rdma ($IP), device $d: e2e.test -test.run '${RBLK_VM_E2E_RUN:-.}'${skip[*]:+ -test.skip '$RBLK_VM_E2E_SKIP'}"
 		rc=0
-		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
+		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_TIME_SCALE=$E2E_TIME_SCALE RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
 			RBLK_E2E_LOG_DIR=$out/procs gotest "$out/e2e-test.log" "$BIN/e2e.test" -test.timeout=30m \
 			-test.parallel "${RBLK_VM_E2E_PARALLEL:-4}" -test.run "${RBLK_VM_E2E_RUN:-.}" "${skip[@]}" || rc=$?
 		verdict "e2e over rdma, device $d${skip[*]:+ (left out: $RBLK_VM_E2E_SKIP)}" "$out/e2e-test.log" "$rc" "$out/procs" strict >"$out/verdict.txt" || failed+="$d "
@@ -962,7 +968,7 @@ scen_e2e() {
 		mkdir -p "$out/procs"
 		step "e2e tests over rdma ($IP), device $d: e2e.test -test.run '$RBLK_VM_E2E_ALSO_RUN'"
 		rc=0
-		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
+		RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_TIME_SCALE=$E2E_TIME_SCALE RBLK_E2E_DEVICE=$d RBLK_E2E_REQUIRE=1 RBLK_E2E_BIN_DIR=$BIN/race \
 			RBLK_E2E_LOG_DIR=$out/procs gotest "$out/e2e-test.log" "$BIN/e2e.test" -test.timeout=30m \
 			-test.parallel "${RBLK_VM_E2E_PARALLEL:-4}" -test.run "$RBLK_VM_E2E_ALSO_RUN" || rc=$?
 		verdict "e2e over rdma, device $d (only $RBLK_VM_E2E_ALSO_RUN)" "$out/e2e-test.log" "$rc" "$out/procs" strict >"$out/verdict.txt" || failed+="$d-also "
@@ -1050,7 +1056,7 @@ scen_soak() {
 			initiator) RBLK_INITIATOR_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP gotest "$out/initiator-test.log" "$bin" -test.timeout=20m -test.run "${RBLK_VM_SOAK_RUN:-.}" || rc=$? ;;
 			e2e)
 				mkdir -p "$out/e2e-procs"
-				RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_DEVICE=${RBLK_VM_SOAK_E2E_DEVICE:-socket} RBLK_E2E_REQUIRE=1 \
+				RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_TIME_SCALE=$E2E_TIME_SCALE RBLK_E2E_DEVICE=${RBLK_VM_SOAK_E2E_DEVICE:-socket} RBLK_E2E_REQUIRE=1 \
 					RBLK_E2E_BIN_DIR=$BIN/race RBLK_E2E_LOG_DIR=$out/e2e-procs gotest "$out/e2e-test.log" "$bin" \
 					-test.timeout=20m -test.run "${RBLK_VM_SOAK_E2E_RUN:-^TestFault}" || rc=$?
 				;;
