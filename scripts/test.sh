@@ -227,12 +227,13 @@ else
 	# step is most of the run, and machines differ in how fast they
 	# emulate (the same step took 2.5 times as long on one as on another).
 	# 6.1 (Debian 12's): the e2e suite on the NBD socket but for what 6.12
-	# runs, and the soak (the target's and the initiator's tests over rdma,
-	# -race, under a CPU hog); 6.12: the e2e tests that need /dev/nbdN (the
-	# mirror drills, the node plugin's) and the data path's on it (the fault
-	# tests, fio, qemu-io, a cache smaller than the volume), csi-sanity, ublk.
-	# Both: the verbs provider's tests, an online grow, udev, a small cache
-	# under a CPU hog, no panic or race, dmesg. TestAllocsPerIO is left out
+	# runs, and the soak of the target's tests (over rdma, -race, under a
+	# CPU hog); 6.12: the e2e tests that need /dev/nbdN (the mirror drills,
+	# the node plugin's) and the data path's on it (the fault tests, fio,
+	# qemu-io, a cache smaller than the volume), csi-sanity, ublk, and the
+	# soak of the initiator's tests. Both: the verbs provider's tests, an
+	# online grow, udev, a small cache under a CPU hog, no panic or race,
+	# dmesg. TestAllocsPerIO is left out
 	# (6 minutes under emulation; the soak's TestSubmitAllocs measures the
 	# same path over rdma in process). Each kernel's run is bounded
 	# (RBLK_VM_TIMEOUT), so that a hung guest still leaves the run its
@@ -240,7 +241,7 @@ else
 	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestFio|TestQemuIO|TestCacheSmallerThanVolume)$'
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, csi-sanity (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-none}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \
-		RBLK_VM_SOAK_KERNELS="${RBLK_VM_SOAK_KERNELS-6.1}" RBLK_VM_SOAK_SUITES="${RBLK_VM_SOAK_SUITES-target initiator}" \
+		RBLK_VM_SOAK_PLAN="${RBLK_VM_SOAK_PLAN-6.1:target 6.12:initiator}" \
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
 		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|$vm_nbd_tests}" \
 		RBLK_VM_E2E_RUN_KERNELS="${RBLK_VM_E2E_RUN_KERNELS-6.12:$vm_nbd_tests}" \

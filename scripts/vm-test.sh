@@ -55,6 +55,10 @@
 #                                          # "none": on no kernel; so too
 #                                          # RBLK_VM_BENCH_KERNELS and
 #                                          # RBLK_VM_CSI_KERNELS)
+#   RBLK_VM_SOAK_PLAN="6.1:target 6.12:initiator,e2e" ...
+#                                          # the soak's suites on each kernel
+#                                          # (a kernel not named:
+#                                          # RBLK_VM_SOAK_SUITES)
 #   RBLK_VM_CSI_KERNELS=6.12 ...           # the csi scenario (csi-sanity
 #                                          # with Node, on /dev/nbdN) on
 #                                          # 6.12 only
@@ -170,6 +174,10 @@ run_kernel() {
 	done
 	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
+	# The soak's suites on this kernel: KERNEL:SUITE,SUITE.
+	for p in ${RBLK_VM_SOAK_PLAN:-}; do
+		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_SOAK_SUITES=%q\n' "${v//,/ }" >>"$art/env.sh"; }
 	done
 	for p in ${RBLK_VM_E2E_RUN_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_RUN=%q\n' "${p#*:}" >>"$art/env.sh"
