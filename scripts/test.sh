@@ -15,10 +15,10 @@
 #   fuzz target of protocol/ for FUZZTIME each (default 6s), and the test on
 #   a real kernel RDMA stack: scripts/vm-test.sh boots Debian's kernels (6.1
 #   and 6.12) under qemu with Soft-RoCE and runs the e2e suite over verbs
-#   (on the NBD socket and on /dev/nbdN), a soak of the target's, the
-#   initiator's and the e2e fault tests over verbs under a CPU hog (-race),
-#   ublk, and rblk beside the kernel's NVMe-oF RDMA (RBLK_SKIP_VM=1 leaves
-#   it out, for a quick run).
+#   (each test on one kernel: on the NBD socket or on /dev/nbdN), a soak of
+#   the target's and the initiator's tests over verbs under a CPU hog
+#   (-race), csi-sanity, ublk (RBLK_SKIP_VM=1 leaves it out, for a quick
+#   run; make vm-test runs all of it on both kernels, and the fio table).
 #
 # It ends with the line "N passed, M failed" (counting steps) and exits
 # non-zero if any step failed.
