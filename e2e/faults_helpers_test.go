@@ -347,7 +347,7 @@ func blockID(blk int, b []byte) int64 {
 // scrapeQuiet returns the text of a /metrics page, or "" if it cannot be
 // had (the process may be gone): for sampling while something runs.
 func scrapeQuiet(addr string) string {
-	c := http.Client{Timeout: 2 * time.Second}
+	c := http.Client{Timeout: patient(2 * time.Second)}
 	resp, err := c.Get("http://" + addr + "/metrics")
 	if err != nil {
 		return ""

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -78,6 +79,9 @@ func startMirror(t *testing.T, name string) *mirrorRig {
 func (r *mirrorRig) close() {
 	r.stop()
 	<-r.done
+	if r.t.Failed() {
+		r.dumpAttaches()
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), patient(time.Minute))
 	defer cancel()
 	if err := mirror.Down(ctx, r.o); err != nil {
@@ -85,6 +89,36 @@ func (r *mirrorRig) close() {
 	}
 	for _, l := range r.legs {
 		r.att.Detach(ctx, l.(*csidriver.Leg).ID)
+	}
+}
+
+// dumpAttaches puts the logs of the copies' rblk-attach processes (which
+// Detach removes) in the test's output, each after its goroutines' stacks
+// (SIGQUIT: where a copy's IO waits, when the array did not degrade).
+func (r *mirrorRig) dumpAttaches() {
+	for _, pid := range attachProcs(r.t, r.att.StateDir) {
+		if p, err := os.FindProcess(pid); err == nil && p.Signal(syscall.SIGQUIT) == nil {
+			// (no Fatal in a cleanup: the array is still to be stopped)
+			for end := time.Now().Add(patient(10 * time.Second)); slices.Contains(attachProcs(r.t, r.att.StateDir), pid); {
+				if time.Now().After(end) {
+					r.t.Logf("rblk-attach (pid %d) still runs after SIGQUIT", pid)
+					break
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
+	}
+	logs, _ := filepath.Glob(filepath.Join(r.att.StateDir, "*.log"))
+	for _, l := range logs {
+		b, err := os.ReadFile(l)
+		if err != nil {
+			r.t.Logf("%s: %v", l, err)
+			continue
+		}
+		if len(b) > 256<<10 {
+			b = b[len(b)-256<<10:]
+		}
+		r.t.Logf("%s (its end):\n%s", l, b)
 	}
 }
 

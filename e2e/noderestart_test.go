@@ -166,7 +166,9 @@ func TestNodePluginRestart(t *testing.T) {
 	if s := attachProcs(t, stateDir); len(s) != 0 {
 		t.Fatalf("rblk-attach processes after NodeUnstageVolume: %v", s)
 	}
-	if st, err := kernel.Stat(dev); err != nil || st.Attached {
+	// (Another test may have taken the freed device at once: it must
+	// serve this volume no more.)
+	if st, err := kernel.Stat(dev); err != nil || st.Attached && st.Backend == backend {
 		t.Fatalf("%s after NodeUnstageVolume: %+v, %v", dev, st, err)
 	}
 }
