@@ -230,10 +230,10 @@ else
 	# runs, and the soak of the target's tests (over rdma, -race, under a
 	# CPU hog); 6.12: the e2e tests that need /dev/nbdN (the mirror drills,
 	# the node plugin's) and the data path's on it (the fault tests, fio,
-	# qemu-io, a cache smaller than the volume), csi-sanity, ublk, and the
-	# soak of the initiator's tests. Both: the verbs provider's tests, an
-	# online grow, udev, a small cache under a CPU hog, no panic or race,
-	# dmesg. TestAllocsPerIO is left out
+	# qemu-io, a cache smaller than the volume), csi-sanity (ext4, and a
+	# StorageClass of replicas: 2), ublk, and the soak of the initiator's
+	# tests. Both: the verbs provider's tests, an online grow, udev, no
+	# panic or race, dmesg; 6.1 a small cache under a CPU hog. TestAllocsPerIO is left out
 	# (6 minutes under emulation; the soak's TestSubmitAllocs measures the
 	# same path over rdma in process). Each kernel's run is bounded
 	# (RBLK_VM_TIMEOUT), so that a hung guest still leaves the run its
@@ -245,6 +245,7 @@ else
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
 		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|$vm_nbd_tests}" \
 		RBLK_VM_E2E_RUN_KERNELS="${RBLK_VM_E2E_RUN_KERNELS-6.12:$vm_nbd_tests}" \
+		RBLK_VM_SKIP_KERNELS="${RBLK_VM_SKIP_KERNELS-6.12:small-cache}" RBLK_VM_CSI_RUNS="${RBLK_VM_CSI_RUNS-short}" \
 		RBLK_VM_TIMEOUT="${RBLK_VM_TIMEOUT-2100}" scripts/vm-test.sh
 fi
 

@@ -59,12 +59,14 @@
 #                                          # the soak's suites on each kernel
 #                                          # (a kernel not named:
 #                                          # RBLK_VM_SOAK_SUITES)
+#   RBLK_VM_SKIP_KERNELS="6.12:small-cache,udev" ...
+#                                          # scenarios left out on a kernel
 #   RBLK_VM_CSI_KERNELS=6.12 ...           # the csi scenario (csi-sanity
 #                                          # with Node, on /dev/nbdN) on
 #                                          # 6.12 only
 # Passed on to the guest: RBLK_TRANSPORT, RBLK_VM_SCENARIOS,
 # RBLK_VM_BASELINE_BIN, RBLK_VM_HOG, RBLK_VM_E2E_DEVICES, RBLK_VM_E2E_RUN,
-# RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_RUN, RBLK_VM_SOAK_E2E_RUN, RBLK_VM_TIME_SCALE,
+# RBLK_VM_SOAK_RUNS, RBLK_VM_SOAK_SUITES, RBLK_VM_SOAK_RUN, RBLK_VM_SOAK_E2E_RUN, RBLK_VM_TIME_SCALE, RBLK_VM_CSI_RUNS,
 # RBLK_VM_SOAK_E2E_DEVICE, RBLK_RDMA_FAILPOINTS, RBLK_FAULT_SEED, and the
 # table's FIO_REPS, FIO_RUNTIME, FIO_RAMP, BENCH_MB, BENCH_QUEUES,
 # BENCH_NULL_JOBS, BENCH_MIRROR_JOBS, BENCH_MIRROR_BITMAP, BENCH_TCP, BENCH_TCP_JOBS (vm/rblk-e2e.sh). RBLK_VM_MEM (default 3G here) and
@@ -132,7 +134,7 @@ if [ -n "${RBLK_VM_BASELINE_BIN:-}" ]; then
 	RBLK_VM_BASELINE_BIN=$(cd "$RBLK_VM_BASELINE_BIN" && pwd)
 fi
 : >"$art/env.base"
-for v in RBLK_TRANSPORT RBLK_VM_TIME_SCALE RBLK_VM_CSI_MIRROR_BLOCK RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN RBLK_VM_HOG RBLK_VM_E2E_DEVICES RBLK_VM_E2E_RUN RBLK_VM_E2E_SKIP RBLK_VM_E2E_PARALLEL RBLK_VM_SOAK_RUNS \
+for v in RBLK_TRANSPORT RBLK_VM_TIME_SCALE RBLK_VM_CSI_RUNS RBLK_VM_CSI_MIRROR_BLOCK RBLK_VM_SCENARIOS RBLK_VM_BASELINE_BIN RBLK_VM_HOG RBLK_VM_E2E_DEVICES RBLK_VM_E2E_RUN RBLK_VM_E2E_SKIP RBLK_VM_E2E_PARALLEL RBLK_VM_SOAK_RUNS \
 	RBLK_VM_SOAK_SUITES RBLK_VM_SOAK_RUN RBLK_VM_SOAK_E2E_RUN RBLK_VM_SOAK_E2E_DEVICE RBLK_RDMA_FAILPOINTS RBLK_FAULT_SEED \
 	FIO_REPS FIO_RUNTIME FIO_RAMP FIO_JOBS BENCH_MB BENCH_QUEUES BENCH_NULL_JOBS BENCH_MIRROR_JOBS BENCH_MIRROR_BITMAP BENCH_TCP BENCH_TCP_JOBS; do
 	if [ -n "${!v:-}" ]; then
@@ -174,6 +176,10 @@ run_kernel() {
 	done
 	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
 		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
+	done
+	# Scenarios left out on this kernel: KERNEL:SCENARIO,SCENARIO.
+	for p in ${RBLK_VM_SKIP_KERNELS:-}; do
+		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} ${v//,/ }\"" >>"$art/env.sh"; }
 	done
 	# The soak's suites on this kernel: KERNEL:SUITE,SUITE.
 	for p in ${RBLK_VM_SOAK_PLAN:-}; do
