@@ -110,7 +110,7 @@ func TestFaultKill9(t *testing.T) {
 	disk := startSlowDisk(t, make([]byte, blocks*blockSize), "30ms")
 	exports := []string{"vol=" + disk.file}
 	tg := startTarget(t, exports, "--chunk-size", "64K")
-	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s", "--queues", "3")
+	at := startAttach(t, tg, "vol", "--reconnect-timeout", patient(90*time.Second).String(), "--queues", "3")
 	nc := dialNBD(t, at.sock, "vol")
 
 	acked := make([]uint32, blocks)   // the latest acknowledged write of each block
@@ -329,7 +329,7 @@ func TestFaultSIGTERMRestart(t *testing.T) {
 	disk := startSlowDisk(t, make([]byte, size), "1000ms")
 	exports := []string{"vol=" + disk.file}
 	tg := startTarget(t, exports)
-	at := startAttach(t, tg, "vol", "--reconnect-timeout", "90s", "--queues", "3")
+	at := startAttach(t, tg, "vol", "--reconnect-timeout", patient(90*time.Second).String(), "--queues", "3")
 	nc := dialNBD(t, at.sock, "vol")
 	want := randomBytes(11, size)
 	// Read everything first: the chunks are then cached, and the writes
@@ -539,7 +539,7 @@ func TestFaultLinkReset(t *testing.T) {
 	var inject func(i int) bool
 	if e2e.transport == "tcp" {
 		px := startProxy(t, tg.addr)
-		at = startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-link-reset"), "--reconnect-timeout", "60s")...)
+		at = startAttach(t, viaProxy(tg, px), "vol", append(newFlags("--host-id", "e2e-link-reset"), "--reconnect-timeout", patient(60*time.Second).String())...)
 		inject = func(i int) bool {
 			c, err := px.WaitConn(ctxFor(t, 60*time.Second), i)
 			if err != nil {
@@ -562,7 +562,7 @@ func TestFaultLinkReset(t *testing.T) {
 			return true
 		}
 	} else {
-		at = startAttach(t, tg, "vol", append(newFlags("--host-id", "e2e-link-reset", "--keepalive-timeout", "2s"), "--reconnect-timeout", "60s")...)
+		at = startAttach(t, tg, "vol", append(newFlags("--host-id", "e2e-link-reset", "--keepalive-timeout", "2s"), "--reconnect-timeout", patient(60*time.Second).String())...)
 		inject = func(i int) bool { return silenceTarget(t, tg, at, fio, int64(512<<10+rng.IntN(4<<20))) }
 	}
 	fio = startFio(t, append(append([]string{"--name=rblk"}, fioTarget(at.uri("vol"))...), append([]string{"--iodepth=16",
@@ -1024,7 +1024,7 @@ func TestFaultBigWritesSmallChunks(t *testing.T) {
 	tg := startTarget(t, []string{"vol=" + backing + ",size=64M"}, "--chunk-size", "64K")
 	link := startFaultLink(t, tg)
 	link.delayAll(t, faultproxy.ServerToClient, 50*time.Millisecond)
-	at := startAttach(t, link.target(), "vol", "--reconnect-timeout", "60s")
+	at := startAttach(t, link.target(), "vol", "--reconnect-timeout", patient(60*time.Second).String())
 	// Four jobs (four NBD connections) of queue depth 32, each on its own
 	// 16 MiB. Two passes: in the second every chunk is granted, and each
 	// write goes out as one chain.
