@@ -229,8 +229,8 @@ else
 	# 6.1 (Debian 12's): the e2e suite on the NBD socket but for what 6.12
 	# runs, and the soak of the target's tests (over rdma, -race, under a
 	# CPU hog); 6.12: the e2e tests that need /dev/nbdN (the mirror drills,
-	# the node plugin's) and the data path's on it (the fault tests, fio,
-	# qemu-io, a cache smaller than the volume), csi-sanity (ext4, and a
+	# the node plugin's) and the data path's on it (the fault tests,
+	# qemu-io), csi-sanity (ext4, and a
 	# StorageClass of replicas: 2), ublk, and the soak of the initiator's
 	# tests. Both: the verbs provider's tests, an online grow, udev, no
 	# panic or race, dmesg; 6.1 a small cache under a CPU hog. TestAllocsPerIO is left out
@@ -238,7 +238,7 @@ else
 	# same path over rdma in process). Each kernel's run is bounded
 	# (RBLK_VM_TIMEOUT), so that a hung guest still leaves the run its
 	# summary. (make vm-test: every scenario on both kernels.)
-	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestFio|TestQemuIO|TestCacheSmallerThanVolume)$'
+	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestQemuIO)$'
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, csi-sanity (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-none}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \
 		RBLK_VM_SOAK_PLAN="${RBLK_VM_SOAK_PLAN-6.1:target 6.12:initiator}" \
