@@ -227,17 +227,18 @@ else
 	# step is most of the run, and machines differ in how fast they
 	# emulate (the same step took 2.5 times as long on one as on another).
 	# 6.1 (Debian 12's): the e2e suite on the NBD socket but for what 6.12
-	# runs, and the soak of the target's tests (over rdma, -race, under a
-	# CPU hog); 6.12: the e2e tests that need /dev/nbdN (the mirror drills,
-	# the node plugin's) and the data path's on it (the fault tests,
-	# qemu-io), csi-sanity (ext4, and a
-	# StorageClass of replicas: 2), ublk, and the soak of the initiator's
-	# tests. Both: the verbs provider's tests, an online grow, udev, no
-	# panic or race, dmesg; 6.1 a small cache under a CPU hog. TestAllocsPerIO is left out
-	# (6 minutes under emulation; the soak's TestSubmitAllocs measures the
-	# same path over rdma in process). Each kernel's run is bounded
-	# (RBLK_VM_TIMEOUT, 2300 s: on a machine that emulates slowly 6.1 took
-	# 1795 s), so that a hung guest still leaves the run its summary. (make vm-test: every scenario on both kernels.)
+	# runs, the soak of the target's tests (over rdma, -race, under a CPU
+	# hog), a small cache under a CPU hog. 6.12: the e2e tests that need
+	# /dev/nbdN (the mirror drills, the node plugin's) and the data path's
+	# on it (the fault tests, qemu-io), csi-sanity (ext4, and a
+	# StorageClass of replicas: 2), ublk, the soak of the initiator's tests.
+	# Both: the verbs provider's tests, an online grow, udev, no panic or
+	# race, dmesg. TestAllocsPerIO is left out (6 minutes under emulation;
+	# the soak's TestSubmitAllocs measures the same path over rdma in
+	# process). Each kernel's run is bounded (RBLK_VM_TIMEOUT, 2300 s: on a
+	# machine that emulates slowly 6.1 took 1795 s), so that a hung guest
+	# still leaves the run its summary. (make vm-test: every scenario on
+	# both kernels.)
 	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestQemuIO)$'
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, csi-sanity (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-none}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \

@@ -142,6 +142,18 @@ for v in RBLK_TRANSPORT RBLK_VM_TIME_SCALE RBLK_VM_CSI_RUNS RBLK_VM_CSI_MIRROR_B
 	fi
 done
 
+# per_kernel K LIST: the VALUE of LIST's entry K:VALUE (entries apart by
+# blanks; the last for K, if several), or nothing. (The values are regular
+# expressions: no glob expansion.)
+per_kernel() {
+	local e v='' entries
+	read -ra entries <<<"$2"
+	for e in "${entries[@]}"; do
+		[ "${e%%:*}" != "$1" ] || v=${e#*:}
+	done
+	printf '%s' "$v"
+}
+
 # run_kernel SERIES: the guest test on that kernel; appends to SUMMARY.
 SUMMARY=()
 run_kernel() {
@@ -169,29 +181,22 @@ run_kernel() {
 	if [ -n "${RBLK_VM_SOAK_KERNELS:-}" ] && [[ " $RBLK_VM_SOAK_KERNELS " != *" $k "* ]]; then
 		echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} soak\"" >>"$art/env.sh"
 	fi
-	# The e2e suite's devices and left-out tests on this kernel.
-	local p v
-	for p in ${RBLK_VM_E2E_PLAN:-}; do
-		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_DEVICES=%q\n' "${v//,/ }" >>"$art/env.sh"; }
-	done
-	for p in ${RBLK_VM_E2E_SKIP_KERNELS:-}; do
-		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "${p#*:}" >>"$art/env.sh"
-	done
-	# Scenarios left out on this kernel: KERNEL:SCENARIO,SCENARIO.
-	for p in ${RBLK_VM_SKIP_KERNELS:-}; do
-		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} ${v//,/ }\"" >>"$art/env.sh"; }
-	done
-	# The soak's suites on this kernel: KERNEL:SUITE,SUITE.
-	for p in ${RBLK_VM_SOAK_PLAN:-}; do
-		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_SOAK_SUITES=%q\n' "${v//,/ }" >>"$art/env.sh"; }
-	done
-	for p in ${RBLK_VM_E2E_RUN_KERNELS:-}; do
-		[ "${p%%:*}" != "$k" ] || printf 'export RBLK_VM_E2E_RUN=%q\n' "${p#*:}" >>"$art/env.sh"
-	done
-	# More e2e tests on another device, on this kernel: KERNEL:DEVICE:REGEXP.
-	for p in ${RBLK_VM_E2E_ALSO_KERNELS:-}; do
-		[ "${p%%:*}" != "$k" ] || { v=${p#*:} && printf 'export RBLK_VM_E2E_ALSO_DEVICE=%q RBLK_VM_E2E_ALSO_RUN=%q\n' "${v%%:*}" "${v#*:}" >>"$art/env.sh"; }
-	done
+	# The per-kernel settings (KERNEL:VALUE entries) for this kernel: the
+	# e2e suite's devices, tests run and left out, and tests on another
+	# device too (DEVICE:REGEXP); the soak's suites; scenarios left out.
+	local v
+	v=$(per_kernel "$k" "${RBLK_VM_E2E_PLAN:-}")
+	[ -z "$v" ] || printf 'export RBLK_VM_E2E_DEVICES=%q\n' "${v//,/ }" >>"$art/env.sh"
+	v=$(per_kernel "$k" "${RBLK_VM_E2E_SKIP_KERNELS:-}")
+	[ -z "$v" ] || printf 'export RBLK_VM_E2E_SKIP=%q\n' "$v" >>"$art/env.sh"
+	v=$(per_kernel "$k" "${RBLK_VM_E2E_RUN_KERNELS:-}")
+	[ -z "$v" ] || printf 'export RBLK_VM_E2E_RUN=%q\n' "$v" >>"$art/env.sh"
+	v=$(per_kernel "$k" "${RBLK_VM_E2E_ALSO_KERNELS:-}")
+	[ -z "$v" ] || printf 'export RBLK_VM_E2E_ALSO_DEVICE=%q RBLK_VM_E2E_ALSO_RUN=%q\n' "${v%%:*}" "${v#*:}" >>"$art/env.sh"
+	v=$(per_kernel "$k" "${RBLK_VM_SOAK_PLAN:-}")
+	[ -z "$v" ] || printf 'export RBLK_VM_SOAK_SUITES=%q\n' "${v//,/ }" >>"$art/env.sh"
+	v=$(per_kernel "$k" "${RBLK_VM_SKIP_KERNELS:-}")
+	[ -z "$v" ] || echo "export RBLK_VM_SKIP_SCENARIOS=\"\${RBLK_VM_SKIP_SCENARIOS:-} ${v//,/ }\"" >>"$art/env.sh"
 	RBLK_VM_OUT=$out RBLK_VM_KERNEL_DIR=$kdir RBLK_VM_TIMEOUT=${RBLK_VM_TIMEOUT:-$((2700 + 1500 * ${RBLK_VM_SOAK_RUNS:-1}))} \
 		RBLK_VM_MEM=${RBLK_VM_MEM:-3G} vm/run.sh vm/rblk-e2e.sh "$art" 2>&1 | tee -a "$out.log" || rc=$?
 	kver=$(sed -n 's/^kernel \([^,]*\),.*/\1/p' "$out/guest.log" 2>/dev/null | head -n 1)
