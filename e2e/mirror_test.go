@@ -50,7 +50,7 @@ func startMirror(t *testing.T, name string) *mirrorRig {
 	ctx := context.Background()
 	var members []string
 	for i := range 2 {
-		r.exports[i] = []string{"vol=" + filepath.Join(dir, "copy"+string(rune('a'+i))+".img") + ",size=20M"}
+		r.exports[i] = []string{"vol=" + filepath.Join(dir, "copy"+string(rune('a'+i))+".img") + ",size=16M"}
 		r.tgs[i] = startTarget(t, r.exports[i])
 		l := &csidriver.Leg{A: r.att, ID: name + "/" + string(rune('a'+i)),
 			VolCtx: map[string]string{csidriver.CtxAddress: r.tgs[i].addr, csidriver.CtxExport: "vol", csidriver.CtxTransport: e2eTransport()}}

@@ -93,7 +93,7 @@ func TestNodePluginRestart(t *testing.T) {
 		return v
 	}
 	base := written()
-	job := []string{"--name=restart", "--filename=" + filepath.Join(target, "data"), "--size=32m", "--rw=randwrite", "--bs=4k",
+	job := []string{"--name=restart", "--filename=" + filepath.Join(target, "data"), "--size=16m", "--rw=randwrite", "--bs=4k",
 		"--ioengine=libaio", "--direct=1", "--iodepth=16", "--verify=crc32c", "--verify_fatal=1", "--exitall_on_error=1",
 		"--verify_state_save=0"}
 	fio := startFio(t, append(job, "--rate_iops=400")...)

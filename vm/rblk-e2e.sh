@@ -1033,7 +1033,9 @@ scen_csi() {
 # passes through when set): the target's tests (RBLK_TARGET_TRANSPORT=rdma),
 # the initiator's (RBLK_INITIATOR_TRANSPORT=rdma) and the e2e suite's fault
 # tests (RBLK_VM_SOAK_E2E_RUN, default ^TestFault) over rxe0; RBLK_VM_SOAK_RUN
-# picks the target's and initiator's tests (-test.run, default all)
+# picks the target's and initiator's tests (-test.run, default all; the
+# host leaves out their packages' in-package tests, which do not use the
+# transport: RBLK_VM_SOAK_SKIP_TARGET, RBLK_VM_SOAK_SKIP_INITIATOR)
 # (RBLK_VM_SOAK_SUITES picks among target initiator e2e). A failure names
 # the run and the tests; a panic or a data race anywhere (a test's output or
 # any rblkd or rblk-attach log) fails it too. Logs in logs/soak/run-N/
@@ -1056,8 +1058,8 @@ scen_soak() {
 			step "soak run $r/$runs${HOG_PIDS[*]:+ (CPU hog)}: $suite.test over rdma${RBLK_RDMA_FAILPOINTS:+, RBLK_RDMA_FAILPOINTS=$RBLK_RDMA_FAILPOINTS}"
 			rc=0 t0=$(date +%s)
 			case $suite in
-			target) RBLK_TARGET_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP gotest "$out/target-test.log" "$bin" -test.timeout=20m -test.run "${RBLK_VM_SOAK_RUN:-.}" || rc=$? ;;
-			initiator) RBLK_INITIATOR_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP gotest "$out/initiator-test.log" "$bin" -test.timeout=20m -test.run "${RBLK_VM_SOAK_RUN:-.}" || rc=$? ;;
+			target) RBLK_TARGET_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP gotest "$out/target-test.log" "$bin" -test.timeout=20m -test.run "${RBLK_VM_SOAK_RUN:-.}" -test.skip "${RBLK_VM_SOAK_SKIP_TARGET:-}" || rc=$? ;;
+			initiator) RBLK_INITIATOR_TRANSPORT=rdma RBLK_RDMA_ADDR=$IP gotest "$out/initiator-test.log" "$bin" -test.timeout=20m -test.run "${RBLK_VM_SOAK_RUN:-.}" -test.skip "${RBLK_VM_SOAK_SKIP_INITIATOR:-}" || rc=$? ;;
 			e2e)
 				mkdir -p "$out/e2e-procs"
 				RBLK_E2E_TRANSPORT=rdma RBLK_E2E_ADDR=$IP RBLK_E2E_TIME_SCALE=$E2E_TIME_SCALE RBLK_E2E_DEVICE=${RBLK_VM_SOAK_E2E_DEVICE:-socket} RBLK_E2E_REQUIRE=1 \
