@@ -39,7 +39,7 @@ type attachFlags struct {
 	target, export, transport, nbdListen, metrics, logFormat string
 	hostID, hostIDFile, secretFile                           string
 	stateDir                                                 string
-	readOnly, debug, takeover, failOnLostWrites              bool
+	readOnly, debug, pprof, takeover, failOnLostWrites       bool
 	reconnectTimeout, keepAlive, ioTimeout, flushTimeout     time.Duration
 	fastFailTimeout, restartGrace                            time.Duration
 	queues                                                   int
@@ -109,6 +109,7 @@ holder no longer answers (its host crashed or hangs) gets in without
 	fl.StringVar(&f.stateDir, "state-dir", attachstate.DefaultDir, "keep this attach's status file (rblk-attach status) in this folder (empty: none)")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
+	fl.BoolVar(&f.pprof, "debug-pprof", false, "also serve Go's profiles (CPU, heap, mutex, block, trace) at /debug/pprof/ on --metrics-listen")
 	return cmd
 }
 
@@ -149,6 +150,9 @@ func attach(f attachFlags) error {
 	if err := f.dev.check(f.nbdListen); err != nil {
 		return err
 	}
+	if err := cli.CheckMetricsOptions(f.metrics, cli.MetricsOptions{Profiling: f.pprof}); err != nil {
+		return err
+	}
 	log, err := cli.NewLogger(f.logFormat, f.debug)
 	if err != nil {
 		return err
@@ -161,7 +165,7 @@ func attach(f attachFlags) error {
 	ctx, cancel := cli.SignalContext()
 	defer cancel()
 	reg := cli.NewRegistry()
-	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log)
+	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log, cli.MetricsOptions{Profiling: f.pprof})
 	if err != nil {
 		return err
 	}

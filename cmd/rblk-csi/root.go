@@ -142,7 +142,7 @@ func run(f flags) error {
 		reg.MustRegister(metrics)
 		mirrors := &csidriver.MirrorAttacher{A: att, MirrorArgs: f.mirrorArgs, Logger: log, Metrics: metrics}
 		defer mirrors.Close()
-		stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log)
+		stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log, cli.MetricsOptions{})
 		if err != nil {
 			return err
 		}

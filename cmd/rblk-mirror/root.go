@@ -125,7 +125,7 @@ func up(f upFlags) error {
 	metrics := mirror.NewMetrics()
 	reg := cli.NewRegistry()
 	reg.MustRegister(metrics)
-	stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log) // (before anything is attached: a port in use fails it)
+	stopMetrics, err := cli.MetricsServer(ctx, f.metricsListen, reg, log, cli.MetricsOptions{}) // (before anything is attached: a port in use fails it)
 	if err != nil {
 		return err
 	}

@@ -76,7 +76,7 @@ type serveFlags struct {
 	listen, transport, metrics, logFormat string
 	exports                               []string
 	cacheSize, chunkSize                  string
-	debug                                 bool
+	debug, pprof                          bool
 	authFile, targetID                    string
 	allowUnauthenticated                  bool
 	maxSessions, maxSessionsPerHost       int
@@ -138,6 +138,7 @@ encrypted: use a storage network you trust.`,
 	fl.StringVar(&f.metrics, "metrics-listen", "", "serve Prometheus /metrics on HOST:PORT")
 	fl.StringVar(&f.logFormat, "log-format", "console", "log format: console or json")
 	fl.BoolVar(&f.debug, "debug", false, "debug logs")
+	fl.BoolVar(&f.pprof, "debug-pprof", false, "also serve Go's profiles (CPU, heap, mutex, block, trace) at /debug/pprof/ on --metrics-listen")
 	fl.StringVar(&f.config, "config", "", "configuration file (YAML, see README): its settings and exports; flags given here override it; SIGHUP reloads it")
 	fl.StringVar(&f.adminSocket, "admin-socket", admin.DefaultSocket, "PATH of the admin socket that rblkd export uses (root only; \"\": none)")
 	return cmd
@@ -157,6 +158,9 @@ func parseExports(flags []string) ([]target.ExportConfig, error) {
 }
 
 func serve(f serveFlags) error {
+	if err := cli.CheckMetricsOptions(f.metrics, cli.MetricsOptions{Profiling: f.pprof}); err != nil {
+		return err
+	}
 	flagExports, err := parseExports(f.exports)
 	if err != nil {
 		return err
@@ -255,7 +259,7 @@ func serve(f serveFlags) error {
 		defer api.Close()
 		log.Info("management API", zap.String("listen", api.Addr()), zap.Int("clients", len(opts.Clients)))
 	}
-	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log)
+	stopMetrics, err := cli.MetricsServer(ctx, f.metrics, reg, log, cli.MetricsOptions{Profiling: f.pprof})
 	if err != nil {
 		if api != nil {
 			api.Close()

@@ -10,9 +10,11 @@ import (
 	"io/fs"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -65,10 +67,46 @@ func NewRegistry() *prometheus.Registry {
 	return reg
 }
 
-// MetricsServer serves /metrics of reg on addr until ctx ends. It binds
-// before returning, so a port in use is reported at once. An empty addr
-// serves nothing.
-func MetricsServer(ctx context.Context, addr string, reg *prometheus.Registry, log *zap.Logger) (stop func(), err error) {
+// ErrProfilingNeedsMetrics: profiles were asked for without a metrics
+// address to serve them on.
+var ErrProfilingNeedsMetrics = errors.New("--debug-pprof needs --metrics-listen: the profiles are served beside /metrics")
+
+// MetricsOptions says what MetricsServer serves beside /metrics.
+type MetricsOptions struct {
+	// Profiling also serves Go's runtime profiles (CPU, heap, goroutines,
+	// mutex and block contention, execution trace) at /debug/pprof/, as
+	// net/http/pprof does: `go tool pprof http://ADDR/debug/pprof/profile`.
+	// A CPU profile or trace costs CPU while it runs; nothing is sampled
+	// otherwise, apart from mutex contention (one event in
+	// MutexProfileFraction) and blocking (one per BlockProfileRate of time
+	// blocked), which Profiling turns on. The command line
+	// (/debug/pprof/cmdline) is not served.
+	Profiling bool
+}
+
+// The sampling of contention that MetricsOptions.Profiling turns on.
+const (
+	MutexProfileFraction = 100
+	BlockProfileRate     = 100 * time.Microsecond
+)
+
+// CheckMetricsOptions refuses options that need a metrics address when
+// addr is empty.
+func CheckMetricsOptions(addr string, opts MetricsOptions) error {
+	if opts.Profiling && addr == "" {
+		return ErrProfilingNeedsMetrics
+	}
+	return nil
+}
+
+// MetricsServer serves /metrics of reg on addr until ctx ends, and what
+// opts adds. It binds before returning, so a port in use is reported at
+// once. An empty addr serves nothing (CheckMetricsOptions refuses opts
+// that need one).
+func MetricsServer(ctx context.Context, addr string, reg *prometheus.Registry, log *zap.Logger, opts MetricsOptions) (stop func(), err error) {
+	if err := CheckMetricsOptions(addr, opts); err != nil {
+		return nil, err
+	}
 	if addr == "" {
 		return func() {}, nil
 	}
@@ -78,6 +116,15 @@ func MetricsServer(ctx context.Context, addr string, reg *prometheus.Registry, l
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	if opts.Profiling {
+		runtime.SetMutexProfileFraction(MutexProfileFraction)
+		runtime.SetBlockProfileRate(int(BlockProfileRate))
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("/debug/pprof/cmdline", http.NotFound)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	done := make(chan struct{})
 	go func() {
@@ -86,11 +133,13 @@ func MetricsServer(ctx context.Context, addr string, reg *prometheus.Registry, l
 			log.Error("metrics server", zap.Error(err))
 		}
 	}()
-	log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"))
+	log.Info("metrics", zap.String("url", "http://"+ln.Addr().String()+"/metrics"), zap.Bool("pprof", opts.Profiling))
 	return func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
-		srv.Shutdown(sctx)
+		if srv.Shutdown(sctx) != nil {
+			srv.Close() // a CPU profile or trace still running
+		}
 		<-done
 	}, nil
 }

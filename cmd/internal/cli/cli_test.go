@@ -1,6 +1,12 @@
 package cli
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -8,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -44,5 +51,54 @@ func TestHostIDFile(t *testing.T) {
 	id, err := HostID("", created, zap.NewNop())
 	if b, rerr := os.ReadFile(created); err != nil || rerr != nil || strings.TrimSpace(string(b)) != id {
 		t.Errorf("HostID of a missing file: %q, %v; file %q, %v", id, err, b, rerr)
+	}
+}
+
+// TestMetricsServerProfiling: /debug/pprof/ is served with Profiling and
+// only then, never the command line; Profiling without an address is
+// refused.
+func TestMetricsServerProfiling(t *testing.T) {
+	if err := CheckMetricsOptions("", MetricsOptions{Profiling: true}); !errors.Is(err, ErrProfilingNeedsMetrics) {
+		t.Fatalf("profiling without an address: %v, want ErrProfilingNeedsMetrics", err)
+	}
+	if _, err := MetricsServer(context.Background(), "", prometheus.NewRegistry(), zap.NewNop(), MetricsOptions{Profiling: true}); !errors.Is(err, ErrProfilingNeedsMetrics) {
+		t.Fatalf("MetricsServer, profiling without an address: %v, want ErrProfilingNeedsMetrics", err)
+	}
+	for _, tc := range []struct {
+		profiling bool
+		want      map[string]int
+	}{
+		{false, map[string]int{"/metrics": 200, "/debug/pprof/": 404, "/debug/pprof/goroutine?debug=1": 404}},
+		{true, map[string]int{"/metrics": 200, "/debug/pprof/": 200, "/debug/pprof/goroutine?debug=1": 200,
+			"/debug/pprof/profile?seconds=1": 200, "/debug/pprof/cmdline": 404}},
+	} {
+		t.Run(fmt.Sprintf("profiling=%v", tc.profiling), func(t *testing.T) {
+			// A port picked here and freed: MetricsServer binds it again.
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr := ln.Addr().String()
+			ln.Close()
+			stop, err := MetricsServer(context.Background(), addr, prometheus.NewRegistry(), zap.NewNop(), MetricsOptions{Profiling: tc.profiling})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer stop()
+			for path, code := range tc.want {
+				resp, err := http.Get("http://" + addr + path)
+				if err != nil {
+					t.Fatalf("GET %s: %v", path, err)
+				}
+				body, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != code {
+					t.Errorf("GET %s: %d, want %d", path, resp.StatusCode, code)
+				}
+				if code == 200 && len(body) == 0 {
+					t.Errorf("GET %s: empty body", path)
+				}
+			}
+		})
 	}
 }
