@@ -84,6 +84,7 @@ func waitLabeled(t *testing.T, addr, name, label string, want float64) {
 // refused with its line, and the running configuration (b included)
 // stays.
 func TestReloadUnderIO(t *testing.T) {
+	t.Parallel()
 	needTools(t, "fio", "qemu-io")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "rblkd.yaml")
@@ -214,6 +215,7 @@ func TestConfigRefusedAtStart(t *testing.T) {
 // admin socket; --save writes the changes to the --config file (its
 // comments kept), and the next start serves what the file says.
 func TestExportAdmin(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "rblkd.yaml")
@@ -292,6 +294,7 @@ func TestExportAdmin(t *testing.T) {
 // new end reaches the file; the old data stays; the file keeps the size
 // for the next start.
 func TestExportGrow(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "rblkd.yaml")

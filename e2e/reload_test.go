@@ -73,6 +73,7 @@ func mkfifo(t *testing.T, dir, name string) string {
 // rblkd_config_reloads_total{result="error"} say why. A good file then
 // reloads.
 func TestReloadHalfWritten(t *testing.T) {
+	t.Parallel()
 	needTools(t, "fio", "qemu-io")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "rblkd.yaml")
@@ -211,6 +212,7 @@ func TestFIFOExport(t *testing.T) {
 // started again, the other export's attach comes back and detaches
 // cleanly.
 func TestAdminNeverHoldsShutdown(t *testing.T) {
+	t.Parallel()
 	needTools(t, "qemu-io")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "rblkd.yaml")
@@ -313,6 +315,7 @@ func TestFIFOFiles(t *testing.T) {
 // (which then changes nothing). A reload that moves the file from export a
 // to export b (a rename) removes a, then adds b.
 func TestSameFileExports(t *testing.T) {
+	t.Parallel()
 	dir := t.TempDir()
 	img := filepath.Join(dir, "a.img")
 	if err := os.WriteFile(img, bytes.Repeat([]byte{0xa5}, 4<<20), 0o600); err != nil {
