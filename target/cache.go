@@ -458,20 +458,12 @@ func (c *cache) flush(v *volume) error {
 
 // writebackLoop writes back dirty chunks of v shortly after they are
 // reported, coalescing what arrives meanwhile, until ctx ends.
-func (c *cache) writebackLoop(ctx context.Context, v *volume, delay time.Duration) {
-	t := time.NewTimer(delay)
-	t.Stop()
+func (c *cache) writebackLoop(ctx context.Context, v *volume) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-v.wbSignal:
-		}
-		t.Reset(delay)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+		case <-v.wbTimer.C:
 		}
 		if err := c.writebackVolume(v); err != nil {
 			c.log.Warn("write-back failed; the next flush reports it", zap.String("export", v.name), zap.Error(err))

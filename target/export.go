@@ -168,11 +168,14 @@ type volume struct {
 	// so that a chunk is never loaded from a range being zeroed.
 	ioMu sync.RWMutex
 
-	dirtyMu  sync.Mutex
-	dirty    []*chunk // the chunks queued for write-back (chunk.queued)
-	spare    []*chunk // the list a pass took and gave back (passDone), reused as dirty
-	wbErr    error    // first write-back error since the last flush
-	wbSignal chan struct{}
+	dirtyMu sync.Mutex
+	dirty   []*chunk // the chunks queued for write-back (chunk.queued)
+	spare   []*chunk // the list a pass took and gave back (passDone), reused as dirty
+	wbErr   error    // first write-back error since the last flush
+	// wbTimer fires wbDelay after a chunk was queued on an empty list:
+	// the write-back loop's one wakeup per pass (armed by markDirty).
+	wbTimer *time.Timer
+	wbDelay time.Duration
 	// queuedAt is when the oldest chunk on the dirty list was queued, and
 	// passAt when the oldest chunk of the write-back pass under way was
 	// (UnixNano, 0: none); the write-back lag gauge is the older's age.
@@ -223,7 +226,8 @@ func openVolume(e ExportConfig) (v *volume, created bool, err error) {
 		return nil, false, fmt.Errorf("export %q: %w", e.Name, err) // err names the path
 	}
 	v = &volume{cfg: e, name: e.Name, path: e.Path, readOnly: e.ReadOnly, file: f, f: f,
-		fileID: safeopen.IDOf(st), wbSignal: make(chan struct{}, 1)}
+		fileID: safeopen.IDOf(st), wbTimer: time.NewTimer(time.Hour)}
+	v.wbTimer.Stop()
 	fail := func(err error) (*volume, bool, error) {
 		f.Close()
 		if created {
@@ -264,14 +268,15 @@ func (v *volume) markDirty(ch *chunk) {
 		ch.queued.Store(true)
 		if len(v.dirty) == 0 {
 			v.queuedAt = time.Now().UnixNano()
+			// The pass that writes it comes wbDelay from now (a pass
+			// in progress took the list before: the next one). A
+			// fire not yet received is dropped: its pass would find
+			// what this one finds.
+			v.wbTimer.Reset(v.wbDelay)
 		}
 		v.dirty = append(v.dirty, ch)
 	}
 	v.dirtyMu.Unlock()
-	select {
-	case v.wbSignal <- struct{}{}:
-	default:
-	}
 }
 
 // takeDirty takes the queued chunks off the list.

@@ -115,11 +115,14 @@ type ExportStatus struct {
 func (t *Target) startVolume(v *volume) {
 	ctx, cancel := context.WithCancel(t.ctx)
 	v.stopLoop, v.loopDone = cancel, make(chan struct{})
+	v.dirtyMu.Lock()
+	v.wbDelay = t.opts.WritebackDelay
+	v.dirtyMu.Unlock()
 	t.wg.Add(1)
 	go func() {
 		defer t.wg.Done()
 		defer close(v.loopDone)
-		t.cache.writebackLoop(ctx, v, t.opts.WritebackDelay)
+		t.cache.writebackLoop(ctx, v)
 	}()
 }
 
