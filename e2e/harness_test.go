@@ -402,13 +402,29 @@ func (p *proc) checkOutput(t *testing.T) {
 // freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
 func freePort(t *testing.T) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	givenMu.Lock()
+	defer givenMu.Unlock()
+	for {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		// A port handed out before may be held by an rblkd of another
+		// test over rdma, whose listener the TCP port table does not see:
+		// each port goes to one caller only.
+		if !given[port] {
+			given[port] = true
+			return port
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }
+
+var (
+	givenMu sync.Mutex
+	given   = map[int]bool{} // ports freePort handed out
+)
 
 // sockDir is a short temporary folder for unix sockets (their paths are
 // limited to 107 bytes).

@@ -36,6 +36,15 @@ func (n *notifySocket) env() []string { return []string{"NOTIFY_SOCKET=" + n.pat
 // or none comes within the timeout.
 func (n *notifySocket) wait(t *testing.T, p *proc, timeout time.Duration) string {
 	t.Helper()
+	msg, err := n.next(p, timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return msg
+}
+
+// next is wait's work: the datagram, or why none came.
+func (n *notifySocket) next(p *proc, timeout time.Duration) (string, error) {
 	deadline := time.Now().Add(timeout)
 	buf := make([]byte, 4096)
 	for {
@@ -43,16 +52,16 @@ func (n *notifySocket) wait(t *testing.T, p *proc, timeout time.Duration) string
 		n.conn.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
 		k, err := n.conn.Read(buf)
 		if err == nil {
-			return string(buf[:k])
+			return string(buf[:k]), nil
 		}
 		if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
-			t.Fatalf("read %s: %v", n.path, err)
+			return "", fmt.Errorf("read %s: %w", n.path, err)
 		}
 		if p.exited() {
-			t.Fatalf("%s exited before it notified: %v\n%s", p.name, p.waitErr, p.out.String())
+			return "", fmt.Errorf("%s exited before it notified: %v\n%s", p.name, p.waitErr, p.out.String())
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no notification from %s within %v\n%s", p.name, timeout, p.out.String())
+			return "", fmt.Errorf("no notification from %s within %v\n%s", p.name, timeout, p.out.String())
 		}
 	}
 }

@@ -21,13 +21,25 @@ const refuseWithin = 20 * time.Second
 func startNotifyTarget(t *testing.T, args ...string) (*target, *notifySocket) {
 	t.Helper()
 	ns := newNotifySocket(t)
-	addr := hostPort(freePort(t))
-	metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, serveArgs(addr, metrics, nil, args)...)
-	if msg := notifyLines(ns.wait(t, p, 30*time.Second)); msg["READY"] != "1" {
-		t.Fatalf("rblkd's first notification %v, want READY=1\n%s", msg, p.out.String())
+	for attempt := 1; ; attempt++ {
+		addr := hostPort(freePort(t))
+		metrics := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+		p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, serveArgs(addr, metrics, nil, args)...)
+		raw, err := ns.next(p, 30*time.Second)
+		if err != nil {
+			// A port another process took meanwhile (over rdma, an
+			// active connection's port of the RDMA CM): as startTarget.
+			if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
+				t.Logf("rblkd lost a port race, retrying")
+				continue
+			}
+			t.Fatal(err)
+		}
+		if msg := notifyLines(raw); msg["READY"] != "1" {
+			t.Fatalf("rblkd's first notification %v, want READY=1\n%s", msg, p.out.String())
+		}
+		return &target{proc: p, addr: addr, metrics: metrics}, ns
 	}
-	return &target{proc: p, addr: addr, metrics: metrics}, ns
 }
 
 // hupStatus sends SIGHUP and returns the STATUS= that comes with the
