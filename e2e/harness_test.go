@@ -421,6 +421,19 @@ func freePort(t *testing.T) int {
 	}
 }
 
+// lostPortRace reports whether rblkd p, started on free ports for the
+// attempt-th time, exited because one was taken meanwhile (by another
+// process: over rdma, an active connection's port of the RDMA CM), and
+// may be started again on others.
+func lostPortRace(t *testing.T, p *proc, attempt int) bool {
+	t.Helper()
+	if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
+		t.Logf("rblkd lost a port race, retrying")
+		return true
+	}
+	return false
+}
+
 var (
 	givenMu sync.Mutex
 	given   = map[int]bool{} // ports freePort handed out
@@ -462,8 +475,7 @@ func startTarget(t *testing.T, exports []string, extra ...string) *target {
 		if err == nil {
 			return tg
 		}
-		if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
-			t.Logf("rblkd lost a port race, retrying")
+		if lostPortRace(t, p, attempt) {
 			continue
 		}
 		t.Fatalf("rblkd not ready: %v\n%s", err, p.out.String())

@@ -27,10 +27,7 @@ func startNotifyTarget(t *testing.T, args ...string) (*target, *notifySocket) {
 		p := startProcEnv(t, "rblkd", ns.env(), rblkdBin, serveArgs(addr, metrics, nil, args)...)
 		raw, err := ns.next(p, 30*time.Second)
 		if err != nil {
-			// A port another process took meanwhile (over rdma, an
-			// active connection's port of the RDMA CM): as startTarget.
-			if p.exited() && strings.Contains(p.out.String(), "address already in use") && attempt < 3 {
-				t.Logf("rblkd lost a port race, retrying")
+			if lostPortRace(t, p, attempt) {
 				continue
 			}
 			t.Fatal(err)
