@@ -1298,6 +1298,12 @@ func (c *conn) finishClose() {
 func (c *conn) drainFlushes() {
 	deadline := time.Now().Add(c.p.flushTimeout)
 	for {
+		// gen is read before what is outstanding is counted: a device
+		// removal flushes everything and then kicks, and a kick after
+		// this read interrupts the wait below. (Read after the count, a
+		// removal between the two left the wait asleep until the
+		// deadline, with nothing outstanding.)
+		gen := c.cqw.gen.Load()
 		c.postDrain()
 		c.sq.mu.Lock()
 		c.rq.mu.Lock()
@@ -1311,7 +1317,7 @@ func (c *conn) drainFlushes() {
 		if left == 0 {
 			return
 		}
-		gen := c.cqw.gen.Load()
+		c.hooks.drainCounted(c, left)
 		k, err := c.pollCQ(true)
 		if k > 0 {
 			continue

@@ -872,6 +872,64 @@ func TestDeviceRemovalDuringClose(t *testing.T) {
 	f.waitClean(t)
 }
 
+// TestDeviceRemovalAfterDrainCount: the device goes exactly after Close's
+// drain counted the requests not flushed, and before it waits for them.
+// The removal flushes them all and kicks the waiter; the drain must see
+// that kick (not sleep until flushTimeout with nothing outstanding). CI
+// saw this once as TestDeviceRemovalDuringClose hanging; the hook makes
+// it happen every run.
+func TestDeviceRemovalAfterDrainCount(t *testing.T) {
+	noLeaks(t)
+	f := newFakeFabric(t)
+	p := newFakeProvider(t, f, Options{})
+	p.flushTimeout = time.Hour
+	p.hooks = &testHooks{}
+	a, b := fakePairNoCleanup(t, p)
+	if err := a.PostRecv(transport.RecvRequest{ID: 1}); err != nil {
+		t.Fatal(err)
+	}
+	fakeQPOf(a).setHold(true) // it flushes nothing
+	var removed atomic.Bool
+	kicked := make(chan bool, 1)
+	p.hooks.DrainCounted = func(c *conn, left int) {
+		if removed.Swap(true) {
+			return
+		}
+		gen := c.cqw.gen.Load()
+		f.removeDevice()
+		// Wait for the removal's kick (its CM event is handled by the
+		// conn's CM goroutine).
+		deadline := time.Now().Add(10 * time.Second)
+		for c.cqw.gen.Load() == gen && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		kicked <- c.cqw.gen.Load() != gen
+	}
+	done := make(chan struct{})
+	go func() {
+		a.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Close did not return after the device was removed")
+	}
+	if !removed.Load() {
+		t.Fatal("the hook did not run: Close found nothing to drain")
+	}
+	if !<-kicked {
+		t.Fatal("the device removal never kicked the waiter")
+	}
+	got, err := pollAll(t, a)
+	if !errors.Is(err, transport.ErrClosed) {
+		t.Errorf("poll: %v, want ErrClosed", err)
+	}
+	completesOnce(t, got, 1)
+	b.Close()
+	f.waitClean(t)
+}
+
 // TestRejectAfterPrepareFailure and friends: a request whose Prepare
 // failed is answered (the dialer refused) and can be neither accepted nor
 // rejected after.

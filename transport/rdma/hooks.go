@@ -10,10 +10,19 @@ type testHooks struct {
 	// AfterStartOp runs when a bind or an invalidation has its slot and
 	// wr_id and is about to be posted.
 	AfterStartOp func(c *conn, op *mwOp)
+	// DrainCounted runs when Close's drain has counted the requests not
+	// yet flushed (left > 0) and is about to poll and wait for them.
+	DrainCounted func(c *conn, left int)
 }
 
 func (h *testHooks) afterStartOp(op *mwOp) {
 	if h != nil && h.AfterStartOp != nil {
 		h.AfterStartOp(op.w.c, op)
+	}
+}
+
+func (h *testHooks) drainCounted(c *conn, left int) {
+	if h != nil && h.DrainCounted != nil {
+		h.DrainCounted(c, left)
 	}
 }
