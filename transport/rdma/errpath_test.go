@@ -846,11 +846,7 @@ func TestDeviceRemovalDuringClose(t *testing.T) {
 	f := newFakeFabric(t)
 	p := newFakeProvider(t, f, Options{})
 	p.flushTimeout = time.Hour
-	a, b := fakePairNoCleanup(t, p)
-	if err := a.PostRecv(transport.RecvRequest{ID: 1}); err != nil {
-		t.Fatal(err)
-	}
-	fakeQPOf(a).setHold(true) // it flushes nothing
+	a, b := heldRecvPair(t, p)
 	done := make(chan struct{})
 	go func() {
 		a.Close()
@@ -858,6 +854,26 @@ func TestDeviceRemovalDuringClose(t *testing.T) {
 	}()
 	waitUntil(t, func() bool { return a.state() >= stateClosed })
 	f.removeDevice()
+	closedAfterRemoval(t, f, a, b, done)
+}
+
+// heldRecvPair is a pair over p (no cleanup) whose a has receive 1 posted
+// and a QP that flushes nothing.
+func heldRecvPair(t *testing.T, p *provider) (a, b *conn) {
+	t.Helper()
+	a, b = fakePairNoCleanup(t, p)
+	if err := a.PostRecv(transport.RecvRequest{ID: 1}); err != nil {
+		t.Fatal(err)
+	}
+	fakeQPOf(a).setHold(true)
+	return a, b
+}
+
+// closedAfterRemoval checks a heldRecvPair whose a's Close (closing done
+// when it returns) saw the device go: Close returns at once, Poll gets the
+// receive flushed once and then ErrClosed, and everything is released.
+func closedAfterRemoval(t *testing.T, f *fakeFabric, a, b *conn, done <-chan struct{}) {
+	t.Helper()
 	select {
 	case <-done:
 	case <-time.After(10 * time.Second):
@@ -865,7 +881,7 @@ func TestDeviceRemovalDuringClose(t *testing.T) {
 	}
 	got, err := pollAll(t, a)
 	if !errors.Is(err, transport.ErrClosed) {
-		t.Errorf("poll: %v", err)
+		t.Errorf("poll: %v, want ErrClosed", err)
 	}
 	completesOnce(t, got, 1)
 	b.Close()
@@ -884,11 +900,7 @@ func TestDeviceRemovalAfterDrainCount(t *testing.T) {
 	p := newFakeProvider(t, f, Options{})
 	p.flushTimeout = time.Hour
 	p.hooks = &testHooks{}
-	a, b := fakePairNoCleanup(t, p)
-	if err := a.PostRecv(transport.RecvRequest{ID: 1}); err != nil {
-		t.Fatal(err)
-	}
-	fakeQPOf(a).setHold(true) // it flushes nothing
+	a, b := heldRecvPair(t, p)
 	var removed atomic.Bool
 	kicked := make(chan bool, 1)
 	p.hooks.DrainCounted = func(c *conn, left int) {
@@ -910,24 +922,13 @@ func TestDeviceRemovalAfterDrainCount(t *testing.T) {
 		a.Close()
 		close(done)
 	}()
-	select {
-	case <-done:
-	case <-time.After(20 * time.Second):
-		t.Fatal("Close did not return after the device was removed")
-	}
+	closedAfterRemoval(t, f, a, b, done)
 	if !removed.Load() {
 		t.Fatal("the hook did not run: Close found nothing to drain")
 	}
 	if !<-kicked {
 		t.Fatal("the device removal never kicked the waiter")
 	}
-	got, err := pollAll(t, a)
-	if !errors.Is(err, transport.ErrClosed) {
-		t.Errorf("poll: %v, want ErrClosed", err)
-	}
-	completesOnce(t, got, 1)
-	b.Close()
-	f.waitClean(t)
 }
 
 // TestRejectAfterPrepareFailure and friends: a request whose Prepare
