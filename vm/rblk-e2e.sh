@@ -936,11 +936,11 @@ E2E_TIME_SCALE=${RBLK_VM_TIME_SCALE:-4}
 
 # The kernel's hung-task report (a task in D state for
 # hung_task_timeout_secs, 120 by default: fatal in the dmesg scenario)
-# stretched the same way. Under TCG with the suite's tests at once, an ext4
-# journal commit on a loop device over nbdfuse waits behind the FUSE
-# writes queued before it: TestExt4OverNbdfuse's sync of 10 MB took 22 s
-# to 109 s in four 6.1 runs, and once held jbd2 past 120 s (the test
-# passed). An IO that never completes is still reported, 480 s in.
+# stretched the same way. Under TCG with the suite's tests at once, IO on
+# a loop device over nbdfuse is slow: TestExt4OverNbdfuse's sync of 10 MB
+# took 22 s to 109 s in four 6.1 runs, and once its ext4 journal thread
+# stayed blocked past 120 s (the test passed; likely waiting behind the
+# writes queued before its commit, not measured). An IO that never completes is still reported, 480 s in.
 # (The scale may be a fraction, as the e2e suite takes it.)
 if [ -w /proc/sys/kernel/hung_task_timeout_secs ]; then
 	awk -v s="$E2E_TIME_SCALE" 'BEGIN { t = int(120 * s); print (t < 120 ? 120 : t) }' >/proc/sys/kernel/hung_task_timeout_secs

@@ -1317,7 +1317,7 @@ func (c *conn) drainFlushes() {
 		if left == 0 {
 			return
 		}
-		c.hooks.drainCounted(c, left)
+		c.hooks.drainCounted(c)
 		k, err := c.pollCQ(true)
 		if k > 0 {
 			continue

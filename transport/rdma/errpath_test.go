@@ -903,7 +903,7 @@ func TestDeviceRemovalAfterDrainCount(t *testing.T) {
 	a, b := heldRecvPair(t, p)
 	var removed atomic.Bool
 	kicked := make(chan bool, 1)
-	p.hooks.DrainCounted = func(c *conn, left int) {
+	p.hooks.DrainCounted = func(c *conn) {
 		if removed.Swap(true) {
 			return
 		}

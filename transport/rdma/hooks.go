@@ -12,7 +12,7 @@ type testHooks struct {
 	AfterStartOp func(c *conn, op *mwOp)
 	// DrainCounted runs when Close's drain has counted the requests not
 	// yet flushed (left > 0) and is about to poll and wait for them.
-	DrainCounted func(c *conn, left int)
+	DrainCounted func(c *conn)
 }
 
 func (h *testHooks) afterStartOp(op *mwOp) {
@@ -21,8 +21,8 @@ func (h *testHooks) afterStartOp(op *mwOp) {
 	}
 }
 
-func (h *testHooks) drainCounted(c *conn, left int) {
+func (h *testHooks) drainCounted(c *conn) {
 	if h != nil && h.DrainCounted != nil {
-		h.DrainCounted(c, left)
+		h.DrainCounted(c)
 	}
 }
