@@ -93,8 +93,11 @@ func newMemory(p unsafe.Pointer, mapLen, size int, huge string) *Memory {
 var liveMem memSpans
 
 type memSpans struct {
-	mu    sync.RWMutex
-	spans []memSpan // few: one per live Memory, in no order
+	mu sync.RWMutex
+	// One per live Memory, in no order: the target's cache, each link's
+	// message buffers, the initiator's pool. A scan of them, even with a
+	// link per session of a busy target, costs far less than the map.
+	spans []memSpan
 }
 
 type memSpan struct{ lo, hi uintptr }
