@@ -168,7 +168,16 @@ func (b *ioBuf) OnComplete(err error) {
 	v.m.observe(b.write, b.start, len(b.ops), n)
 	c := b.comp
 	b.comp = nil
-	c.Complete(nil) // b may be freed and reused from here on
+	// b may be freed and reused from here on.
+	if bc, ok := c.(blockdev.BatchCompletion); ok {
+		// The front end's reply waits for the others of this batch of
+		// completions, to go out with them.
+		if f := bc.CompleteBatched(nil); f != nil && !s.link.Defer(f) {
+			f.Flush()
+		}
+		return
+	}
+	c.Complete(nil)
 }
 
 // slow carries the request of b on the synchronous path, in a goroutine.

@@ -56,6 +56,28 @@ type Completion interface {
 	Complete(err error)
 }
 
+// BatchCompletion is a Completion whose front end can put a request's end
+// off until more requests end: a backend that completes several requests in
+// one pass (the completions of one poll of its completion queue) ends each
+// with CompleteBatched and then calls Flush, once, on every Flusher it got,
+// so that the front end sends their replies together (NBD: one writev for
+// all of them where it would make one each).
+type BatchCompletion interface {
+	Completion
+	// CompleteBatched reports the request's result, as Complete, except
+	// that what the front end does with it may wait until the returned
+	// Flusher's Flush (nil: nothing waits). The caller must then call
+	// Flush, from the same pass and without blocking in between: a
+	// request's end that waits holds the client's reply.
+	CompleteBatched(err error) Flusher
+}
+
+// Flusher sends what a front end put off (BatchCompletion). Flush does
+// not block, and ends every request put off before it.
+type Flusher interface {
+	Flush()
+}
+
 // Submitter is implemented by a Backend that can start a read or a write
 // and report its end later, run to completion: the usual request is
 // started on the front end's reader and finished on the backend's

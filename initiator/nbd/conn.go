@@ -320,6 +320,19 @@ func (r *request) Complete(err error) {
 	c.reply(r, errno, err == nil && r.typ == cmdRead)
 }
 
+// CompleteBatched ends a request started with submit, as Complete, but its
+// reply waits in the connection's batch for the Flusher it returns
+// (blockdev.BatchCompletion): the replies of a batch go out in one writev.
+func (r *request) CompleteBatched(err error) blockdev.Flusher {
+	c := r.c
+	errno := uint32(0)
+	if err != nil {
+		errno = c.errnoOf(err, errIO)
+	}
+	c.prepareReply(r, errno, err == nil && r.typ == cmdRead)
+	return c.batchReply(r)
+}
+
 // inRange tells whether [off, off+length) lies within the export.
 func inRange(x *export, off uint64, length uint32) bool {
 	size := x.size()
@@ -533,6 +546,12 @@ func (c *conn) done(r *request) {
 // reply sends the simple reply of r, followed by its data for a successful
 // READ, in one writev (see replyWriter), then ends r.
 func (c *conn) reply(r *request, errno uint32, data bool) {
+	c.prepareReply(r, errno, data)
+	c.send(r)
+}
+
+// prepareReply makes r's reply (r.bufs) and counts r as finished.
+func (c *conn) prepareReply(r *request, errno uint32, data bool) {
 	binary.BigEndian.PutUint32(r.hdr[0:], magicSimpleReply)
 	binary.BigEndian.PutUint32(r.hdr[4:], errno)
 	binary.BigEndian.PutUint64(r.hdr[8:], r.cookie)
@@ -547,7 +566,6 @@ func (c *conn) reply(r *request, errno uint32, data bool) {
 		m.inFlight.Dec()
 		m.done(r.typ, errno == 0, r.length, r.start)
 	}
-	c.send(r)
 }
 
 // errnoOf maps a backend error to an NBD error: the errno it wraps when NBD

@@ -53,7 +53,9 @@
 // then live as long as the connection, so a request costs no goroutine start
 // and no allocation (request state is pooled). When all are busy the reader
 // waits: the client's requests back up in the socket. Replies leave in
-// completion order, each as one writev (header and data) under a mutex; a
+// completion order, each as one writev (header and data) under a mutex, or,
+// for requests a blockdev.Submitter ends together (CompleteBatched), all
+// of them in one writev when the backend flushes the batch; a
 // READ's header is sent only after ReadAt returned, with its error if it
 // failed. FLUSH is answered after Backend.Flush returned. On NBD_CMD_DISC, on
 // a client that just closes its socket, on Close and when the ctx ends, the

@@ -14,6 +14,7 @@ type Metrics struct {
 	latency     *prometheus.HistogramVec
 	inFlight    prometheus.Gauge
 	connections prometheus.Gauge
+	replyWrites prometheus.Counter
 
 	// The children of each op, resolved once so that counting an IO neither
 	// hashes label values nor allocates.
@@ -64,6 +65,7 @@ func opIndex(cmd uint16) int {
 //	rblk_attach_nbd_request_duration_seconds{op}     histogram, 10µs … 10s, from the request header to the reply
 //	rblk_attach_nbd_requests_in_flight               gauge
 //	rblk_attach_nbd_connections                      gauge
+//	rblk_attach_nbd_reply_writes_total               counter, writes to client sockets that carried replies
 //
 // op is one of read, write, flush, trim, write_zeroes.
 func NewMetrics(reg prometheus.Registerer) *Metrics {
@@ -90,6 +92,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Namespace: ns, Name: "connections",
 			Help: "Open NBD connections (handshake or transmission).",
 		}),
+		replyWrites: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: ns, Name: "reply_writes_total",
+			Help: "Writes to NBD client sockets that carried replies: the replies of requests completed together share one.",
+		}),
 	}
 	for i, name := range opNames {
 		m.ops[i] = opMetrics{
@@ -100,7 +106,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.bytes, m.latency, m.inFlight, m.connections)
+		reg.MustRegister(m.requests, m.bytes, m.latency, m.inFlight, m.connections, m.replyWrites)
 	}
 	return m
 }

@@ -21,8 +21,13 @@ const maxIovecs = 64
 // client is slow to read) is queued for the writer goroutine, which writes
 // it blocking, in order. So a request's completion, which may run on the
 // backend's completion path, never blocks on the client.
+//
+// A backend that completes requests in batches (blockdev.BatchCompletion)
+// has their replies wait in batch until it calls Flush, which writes them
+// the same way, all in one writev (up to maxIovecs segments each).
 type replyWriter struct {
 	wmu     sync.Mutex
+	batch   []*request // replies waiting for Flush (CompleteBatched)
 	wq      []*request // replies for the writer goroutine, in order
 	wbusy   bool       // the writer goroutine is writing a batch of wq
 	wbroken bool       // a reply failed to send; later ones are dropped
@@ -40,9 +45,23 @@ type replyWriter struct {
 	tryN     int
 	tryErrno syscall.Errno
 	iovecs   [maxIovecs]unix.Iovec
+	gather   net.Buffers // the segments of a batch's writev
+
+	// Flush's: flushMu serializes them; flushing holds the batch being
+	// written (flushMu held).
+	flusher  batchFlusher
+	flushMu  sync.Mutex
+	flushing []*request
 }
 
+// batchFlusher is a connection's blockdev.Flusher.
+type batchFlusher struct{ c *conn }
+
+// Flush writes the replies waiting in the batch.
+func (f *batchFlusher) Flush() { f.c.flushBatch() }
+
 func (c *conn) initWriter() {
+	c.flusher.c = c
 	c.wkick = make(chan struct{}, 1)
 	c.wdone = make(chan struct{})
 	if raw, ok := rawsock.SyscallConn(c.nc); ok {
@@ -94,6 +113,110 @@ func (c *conn) send(r *request) {
 	}
 }
 
+// batchReply puts r's reply (r.bufs) in the batch and returns the Flusher
+// that writes it, or ends r and returns nil when no reply can be sent.
+func (c *conn) batchReply(r *request) *batchFlusher {
+	c.wmu.Lock()
+	if c.wbroken {
+		c.wmu.Unlock()
+		c.done(r)
+		return nil
+	}
+	c.batch = append(c.batch, r)
+	c.wmu.Unlock()
+	return &c.flusher
+}
+
+// flushBatch writes the replies of the batch, as send writes one: at once
+// with one non-blocking writev for as many as fit, when no reply is queued
+// or being written; what the socket does not take, and everything when a
+// reply is queued, goes to the writer goroutine, in order.
+func (c *conn) flushBatch() {
+	c.flushMu.Lock()
+	defer c.flushMu.Unlock()
+	c.wmu.Lock()
+	c.batch, c.flushing = c.flushing[:0], c.batch
+	rs := c.flushing
+	written := 0
+	switch {
+	case c.wbroken:
+		written = len(rs) // (not written: ended all the same)
+	case !c.wbusy && len(c.wq) == 0 && c.raw != nil:
+		written = c.tryWriteBatch(rs)
+		if c.tryErrno != 0 && c.tryErrno != syscall.EAGAIN {
+			// The socket is broken: the writer goroutine's write reports
+			// it the usual way.
+			c.tryErrno = 0
+		}
+	}
+	kick := written < len(rs)
+	if kick {
+		c.wq = append(c.wq, rs[written:]...)
+	}
+	c.wmu.Unlock()
+	if kick {
+		select {
+		case c.wkick <- struct{}{}:
+		default:
+		}
+	}
+	for _, r := range rs[:written] {
+		c.done(r)
+	}
+	clear(rs)
+	c.flushing = rs[:0]
+}
+
+// tryWriteBatch writes the replies rs in order with non-blocking writevs of
+// up to maxIovecs segments each, while the socket takes all it is given,
+// and returns how many were written whole; the next one may have been
+// written in part (its bufs consumed). c.wmu is held.
+func (c *conn) tryWriteBatch(rs []*request) int {
+	whole := 0
+	for whole < len(rs) {
+		g := c.gather[:0]
+		for _, r := range rs[whole:] {
+			if len(g) > 0 && len(g)+len(r.bufs) > maxIovecs {
+				break
+			}
+			g = append(g, r.bufs...)
+		}
+		all := g
+		g = g[:min(len(g), maxIovecs)]
+		c.gather = g
+		given := 0
+		for _, b := range g {
+			given += len(b)
+		}
+		c.tryBufs, c.tryN, c.tryErrno = &c.gather, 0, 0
+		err := c.raw.Write(c.tryFn)
+		clear(all)
+		c.gather = all[:0]
+		n := c.tryN
+		if err != nil || n <= 0 {
+			return whole
+		}
+		for n > 0 {
+			r := rs[whole]
+			k := 0
+			for _, b := range r.bufs {
+				k += len(b)
+			}
+			if n < k {
+				consume(&r.bufs, n)
+				break
+			}
+			consume(&r.bufs, k)
+			n -= k
+			whole++
+		}
+		if c.tryN < given {
+			return whole // the socket is full
+		}
+	}
+	return whole
+}
+
 // tryWrite makes one non-blocking writev attempt of bufs, consuming what
 // was written, and reports whether all of it was. c.wmu is held.
 func (c *conn) tryWrite(bufs *net.Buffers) bool {
@@ -128,6 +251,9 @@ func (c *conn) tryWriteFd(fd uintptr) bool {
 	}
 	c.tryN, c.tryErrno = rawsock.Writev(fd, c.iovecs[:n])
 	clear(c.iovecs[:n])
+	if m := c.s.metrics; m != nil && c.tryN > 0 {
+		m.replyWrites.Inc()
+	}
 	return true
 }
 
@@ -168,6 +294,9 @@ func (c *conn) writeLoop() {
 			broken := c.wbroken
 			c.wmu.Unlock()
 			if !broken {
+				if m := c.s.metrics; m != nil {
+					m.replyWrites.Inc()
+				}
 				if _, err := r.bufs.WriteTo(c.nc); err != nil {
 					c.wmu.Lock()
 					c.wbroken = true

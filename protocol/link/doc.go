@@ -15,7 +15,10 @@
 //   - Send sends one-way messages and replies (in order, per goroutine);
 //   - RDMA posts a chain of one-sided READs and WRITEs and waits for all;
 //   - the Handler sees every message that is not a reply, but KeepAlive,
-//     which the link answers itself.
+//     which the link answers itself;
+//   - Start posts a chain and calls back at its end, on the completion
+//     goroutine; a callback may Defer work (a Flusher) to the end of the
+//     batch of completions it is part of, to do it once for them all.
 //
 // The link owns the connection's send queue: its SENDs have the room of
 // their send slots kept for them, and RDMA chains wait (with the caller's

@@ -98,6 +98,15 @@ type Callback interface {
 	OnComplete(err error)
 }
 
+// Flusher is work a callback put off to the end of its batch of
+// completions (Defer): the front end's replies of several requests, sent
+// with one write.
+type Flusher interface {
+	// Flush does the work put off. It runs on the completion goroutine
+	// and must not block, as Callback.OnComplete.
+	Flush()
+}
+
 // ErrChainTooLong is returned by Start for more operations than one chain
 // may hold (MaxChain).
 var ErrChainTooLong = errors.New("link: chain longer than the send queue allows")
@@ -176,6 +185,13 @@ type Link struct {
 	// Used by the completion goroutine only.
 	reposts []transport.RecvRequest // receive buffers to post again
 	ended   []*batch                // batches of Start to call back
+	flushes []Flusher               // spare for deferred's contents
+
+	// Defer's state: whether the completion goroutine is calling back a
+	// batch, and the flushers put off to its end (each once).
+	deferMu     sync.Mutex
+	callingBack bool
+	deferred    []Flusher
 
 	closeOnce sync.Once
 	stop      context.CancelFunc
@@ -981,8 +997,15 @@ func (l *Link) completions(cs []transport.Completion) {
 	l.callBack()
 }
 
-// callBack calls the callbacks of the batches that ended, outside l.mu.
+// callBack calls the callbacks of the batches that ended, outside l.mu,
+// and then flushes what they put off (Defer).
 func (l *Link) callBack() {
+	if len(l.ended) == 0 {
+		return
+	}
+	l.deferMu.Lock()
+	l.callingBack = true
+	l.deferMu.Unlock()
 	for i, b := range l.ended {
 		cb, err := b.cb, b.err
 		l.ended[i] = nil
@@ -990,6 +1013,39 @@ func (l *Link) callBack() {
 		cb.OnComplete(err)
 	}
 	l.ended = l.ended[:0]
+	l.deferMu.Lock()
+	l.callingBack = false
+	fs := l.deferred
+	l.deferred = l.flushes[:0]
+	l.deferMu.Unlock()
+	for i, f := range fs {
+		fs[i] = nil
+		f.Flush()
+	}
+	l.flushes = fs[:0]
+}
+
+// Defer puts f off to the end of the batch of completions whose callbacks
+// the completion goroutine is running: once they all ran, f.Flush is
+// called, once however often f was deferred. It reports false, and
+// registers nothing, when no batch is being called back (a callback run by
+// Start's caller, or no callback at all): the caller then does the work
+// itself. A callback uses it to send the replies of many requests with one
+// write (see blockdev.BatchCompletion). It does not block nor allocate,
+// once the batches have been as large before.
+func (l *Link) Defer(f Flusher) bool {
+	l.deferMu.Lock()
+	defer l.deferMu.Unlock()
+	if !l.callingBack {
+		return false
+	}
+	for _, g := range l.deferred {
+		if g == f {
+			return true
+		}
+	}
+	l.deferred = append(l.deferred, f)
+	return true
 }
 
 // endLocked ends batch b (l.mu held): its waiter is signalled, or its

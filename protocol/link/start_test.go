@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -222,5 +224,73 @@ func TestTryStartWouldWait(t *testing.T) {
 	case r := <-cb.ch:
 		t.Fatalf("the Done that did not go called back: %v", r.err)
 	default:
+	}
+}
+
+// logFlusher records its Flush calls in a shared log.
+type logFlusher struct {
+	name string
+	log  *eventLog
+}
+
+func (f *logFlusher) Flush() { f.log.add("flush " + f.name) }
+
+type eventLog struct {
+	mu     sync.Mutex
+	events []string
+	more   chan struct{}
+}
+
+func (l *eventLog) add(e string) {
+	l.mu.Lock()
+	l.events = append(l.events, e)
+	l.mu.Unlock()
+	l.more <- struct{}{}
+}
+
+// deferCallback defers its flushers from OnComplete: a twice, b once.
+type deferCallback struct {
+	l    *Link
+	a, b Flusher
+	log  *eventLog
+	ok   [3]bool
+}
+
+func (c *deferCallback) OnComplete(err error) {
+	c.ok = [3]bool{c.l.Defer(c.a), c.l.Defer(c.a), c.l.Defer(c.b)}
+	c.log.add(fmt.Sprintf("callback %v", err))
+}
+
+// TestDefer: flushers deferred by a callback are flushed after it
+// returned, once each however often they were deferred; outside a
+// callback Defer refuses and never flushes.
+func TestDefer(t *testing.T) {
+	p := newPair(t, 8, 0)
+	remote, local := p.regions(t)
+	log := &eventLog{more: make(chan struct{}, 16)}
+	a, b := &logFlusher{"a", log}, &logFlusher{"b", log}
+	if p.client.Defer(a) {
+		t.Fatal("Defer outside a callback accepted")
+	}
+	cb := &deferCallback{l: p.client, a: a, b: b, log: log}
+	if err := p.client.Start(context.Background(), cb, nil,
+		Op{Write: true, Local: transport.SGE{Region: local, Length: 8}, Addr: remote.Addr(), RKey: remote.RKey()}); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		select {
+		case <-log.more:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("events so far: %q", log.events)
+		}
+	}
+	log.mu.Lock()
+	got := strings.Join(log.events, ", ")
+	log.mu.Unlock()
+	if want := "callback <nil>, flush a, flush b"; got != want {
+		t.Fatalf("events %q, want %q", got, want)
+	}
+	if cb.ok != [3]bool{true, true, true} {
+		t.Fatalf("Defer from the callback reported %v", cb.ok)
 	}
 }
