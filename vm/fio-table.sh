@@ -6,7 +6,8 @@
 #                                    new): name,device,job,rep,iops,bw_MBps,
 #                                    lat_mean_us,lat_p99_us,ios_all,
 #                                    cpu_busy_ticks,cpu_us_per_io,
-#                                    target_us_per_io,kthread_us_per_io
+#                                    target_us_per_io,kthread_us_per_io,
+#                                    ctxt_per_io
 #   fio_all NAME DEVICE CSV [REP]    run every job of $FIO_JOBS in order
 #   fio_interleaved CSV NAME=DEV[=JOB,JOB...]...
 #                                    every job of $FIO_JOBS on every device,
@@ -66,12 +67,17 @@
 # work, besides softirqs. It is counted thread by thread, so that a thread
 # that comes or goes meanwhile (kworkers do) takes nothing off the others:
 # a thread that ended during the run is missing (the figure is a floor).
+# Context switches per IO (ctxt_per_io): every CPU's, from /proc/stat's
+# ctxt over the whole fio run, divided by the IOs of both groups: each
+# time a process or thread leaves a CPU to another (or to idle), which
+# under emulation costs far more than on hardware, and a user-space
+# target and initiator make on both sides of every IO.
 # Settings: FIO_RUNTIME (seconds, default 7), FIO_RAMP (default 1), FIO_REPS
 # (default 2), FIO_OUTDIR (fio's JSON and text output; default /tmp/fio-out).
 # Figures under software emulation only mean something as ratios within one run.
 
 FIO_JOBS=${FIO_JOBS:-"randread-4k-qd1 randwrite-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 randrw-4k-qd32 randread-4k-qd16x2 read-1m-qd8 write-1m-qd8"}
-FIO_CSV_HEADER="name,device,job,rep,iops,bw_MBps,lat_mean_us,lat_p99_us,ios_all,cpu_busy_ticks,cpu_us_per_io,target_us_per_io,kthread_us_per_io"
+FIO_CSV_HEADER="name,device,job,rep,iops,bw_MBps,lat_mean_us,lat_p99_us,ios_all,cpu_busy_ticks,cpu_us_per_io,target_us_per_io,kthread_us_per_io,ctxt_per_io"
 
 # fio_job_args JOB: the fio options of a named job.
 fio_job_args() {
@@ -91,6 +97,9 @@ fio_job_args() {
 
 # _cpu_busy: busy clock ticks of all CPUs since boot (/proc/stat).
 _cpu_busy() { awk '$1 == "cpu" { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
+
+# _ctxt: the context switches of every CPU since boot.
+_ctxt() { awk '$1 == "ctxt" { print $2; exit }' /proc/stat; }
 
 # _kthread_snap: "PID TICKS" of each kernel thread alive now, its CPU time
 # (user + system) so far: kthreadd's children (a kernel thread's name has
@@ -119,7 +128,7 @@ _target_us() { if declare -F fio_target_us >/dev/null; then fio_target_us "$1"; 
 
 fio_run() {
 	local name=${1:?usage: fio_run NAME DEVICE JOB CSV [REP]} dev=${2:?} job=${3:?} csv=${4:?} rep=${5:-1}
-	local args out rc line c0 c1 t0 t1 k0 k1 kus tus groups=()
+	local args out rc line c0 c1 x0 x1 t0 t1 k0 k1 kus tus groups=()
 	args=$(fio_job_args "$job") || return 1
 	local outdir=${FIO_OUTDIR:-/tmp/fio-out}
 	mkdir -p "$outdir"
@@ -127,12 +136,12 @@ fio_run() {
 	if [ "${FIO_RAMP:-1}" != 0 ]; then groups+=(--name=warm --time_based --runtime="${FIO_RAMP:-1}"); fi
 	groups+=(--name=measure --stonewall --time_based --runtime="${FIO_RUNTIME:-7}")
 	t0=$(_target_us "$name") k0=$(_kthread_snap)
-	c0=$(_cpu_busy)
+	c0=$(_cpu_busy) x0=$(_ctxt)
 	# shellcheck disable=SC2086 # args is a list of options
 	fio --filename="$dev" --ioengine=libaio --direct=1 --group_reporting --lat_percentiles=1 $args \
 		"${groups[@]}" --output-format=json --output="$out.json" >"$out.txt" 2>&1
 	rc=$?
-	c1=$(_cpu_busy)
+	c1=$(_cpu_busy) x1=$(_ctxt)
 	t1=$(_target_us "$name") k1=$(_kthread_snap)
 	kus=$(_kthread_delta_us "$k0" "$k1")
 	case $t0 in
@@ -151,7 +160,7 @@ fio_run() {
 	# both directions'.
 	line=$(jq -r --arg name "$name" --arg dev "$dev" --arg job "$job" --argjson rep "$rep" \
 		--argjson ticks "$((c1 - c0))" --argjson hz "$(getconf CLK_TCK)" \
-		--argjson tus "$tus" --argjson kus "$kus" '
+		--argjson tus "$tus" --argjson kus "$kus" --argjson ctxt "$((x1 - x0))" '
 		([.jobs[] | .read.total_ios + .write.total_ios] | add) as $all
 		| ([.jobs[] | select(.jobname == "measure")] + [.jobs[-1]])[0] as $j
 		| ($j.read.total_ios + $j.write.total_ios) as $n
@@ -165,7 +174,8 @@ fio_run() {
 		    $all, $ticks,
 		    (if $all > 0 then ($ticks * 1e6 / $hz / $all * 10 | round / 10) else 0 end),
 		    (if $all > 0 and $tus != null then ($tus / $all * 100 | round / 100) else "" end),
-		    (if $all > 0 then ($kus / $all * 10 | round / 10) else 0 end) ]
+		    (if $all > 0 then ($kus / $all * 10 | round / 10) else 0 end),
+		    (if $all > 0 then ($ctxt / $all * 100 | round / 100) else 0 end) ]
 		| map(tostring) | join(",")' "$out.json") || return 1
 	[ -s "$csv" ] || echo "$FIO_CSV_HEADER" >"$csv"
 	echo "$line" >>"$csv"
@@ -218,10 +228,11 @@ fio_table() {
 		for (i = 2; i <= n; i++) { t = v[i]; for (j = i - 1; j >= 1 && v[j] > t; j--) v[j + 1] = v[j]; v[j + 1] = t }
 		return (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
 	}
-	function cell(k,    t) {
+	function cell(k,    t, x) {
 		if (!(k in cnt)) return "-"
 		t = (tn[k] == cnt[k]) ? sprintf("%6.1f", med(k, "tgt")) : "     -"
-		return sprintf("%7.0f IOPS %6.1f MB/s %7.0f us %6.0f cpu-us/IO %s tgt", med(k, "iops"), med(k, "bw"), med(k, "lat"), med(k, "cpu"), t)
+		x = (xn[k] == cnt[k]) ? sprintf("%5.1f", med(k, "sw")) : "    -"
+		return sprintf("%7.0f IOPS %6.1f MB/s %7.0f us %6.0f cpu-us/IO %s tgt %s sw/IO", med(k, "iops"), med(k, "bw"), med(k, "lat"), med(k, "cpu"), t, x)
 	}
 	function r(x, y) { return ((x in cnt) && (y in cnt) && med(y, "iops") > 0) ? sprintf("%.2f", med(x, "iops") / med(y, "iops")) : "-" }
 	NR == 1 && $1 == "name" { for (i = 1; i <= NF; i++) col[$i] = i; next }
@@ -233,10 +244,11 @@ fio_table() {
 		val[k, "iops", i] = $(col["iops"]); val[k, "bw", i] = $(col["bw_MBps"])
 		val[k, "lat", i] = $(col["lat_mean_us"]); val[k, "cpu", i] = ("cpu_us_per_io" in col) ? $(col["cpu_us_per_io"]) : 0
 		if (("target_us_per_io" in col) && $(col["target_us_per_io"]) != "") { val[k, "tgt", i] = $(col["target_us_per_io"]); tn[k]++ }
+		if (("ctxt_per_io" in col) && $(col["ctxt_per_io"]) != "") { val[k, "sw", i] = $(col["ctxt_per_io"]); xn[k]++ }
 		if (i > reps) reps = i
 	}
 	END {
-		w = 63; rw = length(B "/" A); rc = length(B "/" C)
+		w = 75; rw = length(B "/" A); rc = length(B "/" C)
 		nx = (X == "") ? 0 : split(X, xs, "|")
 		printf "%-20s | %-" w "s | %-" w "s | %-" rw "s", "job", A, B, B "/" A
 		if (nx == 0) rc = 0 # (the last column: no padding)
@@ -256,7 +268,8 @@ fio_table() {
 		}
 		printf "(median of %d rep(s); latency: mean, submit to completion; cpu-us/IO: busy time of all CPUs per IO;\n", reps
 		printf " tgt: the target\x27s CPU time per IO in us, rblkd\x27s process for rblk, all kernel threads\x27 for NVMe-oF:\n"
-		printf " nvmet\x27s work and Soft-RoCE\x27s of both sides, an upper bound of nvmet\x27s)\n"
+		printf " nvmet\x27s work and Soft-RoCE\x27s of both sides, an upper bound of nvmet\x27s;\n"
+		printf " sw/IO: context switches of all CPUs per IO)\n"
 	}' "$csv"
 }
 
