@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"net"
 	"sync"
 	"testing"
 
@@ -208,5 +209,48 @@ func TestBatchedReplyAllocs(t *testing.T) {
 	}
 	if per := testing.AllocsPerRun(200, round); per > 0.5 {
 		t.Errorf("%.2f allocations per round of 4 batched requests", per)
+	}
+}
+
+// TestBatchedRepliesClientGone: a client that sent writes and reads and
+// stopped reading its socket (shutdown SHUT_RD: the server's writes fail
+// with EPIPE, its reads go on) before they ended: the batch's writev
+// fails, its requests end all the same (their writes are in the backend,
+// every buffer goes back), that connection ends, and the server serves the
+// next client.
+func TestBatchedRepliesClientGone(t *testing.T) {
+	const n, length = 16, 4096
+	be := newBatchBackend(newMemBackend(1<<20, 4096, 64))
+	m := NewMetrics(nil)
+	ts := startServer(t, Options{Exports: []*Export{be.export()}, Metrics: m})
+	rc := dialGo(t, ts.sock, "vol")
+	want := initial(1 << 20)
+	for i := range n {
+		payload := bytes.Repeat([]byte{byte(i + 1)}, length)
+		copy(want[i*length:], payload)
+		rc.request(cmdWrite, 0, uint64(i), uint64(i)*length, length, payload)
+		rc.request(cmdRead, 0, uint64(n+i), uint64(n+i)*length, length, nil)
+	}
+	be.mu.Lock()
+	for len(be.held) < 2*n {
+		be.cond.Wait()
+	}
+	be.mu.Unlock()
+	if err := rc.c.(*net.UnixConn).CloseRead(); err != nil {
+		t.Fatal(err)
+	}
+	be.complete(t, 2*n)
+	waitFor(t, "the connection to end", func() bool { return testutil.ToFloat64(m.connections) == 0 })
+	checkBytes(t, be.snapshot(), want)
+	be.checkReturned(t)
+
+	rc2 := dialGo(t, ts.sock, "vol")
+	rc2.request(cmdRead, 0, 7, 0, length, nil)
+	be.complete(t, 1)
+	if errno, cookie := rc2.reply(); errno != 0 || cookie != 7 {
+		t.Fatalf("next client: errno %d cookie %d", errno, cookie)
+	}
+	if !bytes.Equal(rc2.read(length), want[:length]) {
+		t.Fatal("next client: data")
 	}
 }

@@ -312,25 +312,26 @@ func (c *conn) submit(r *request) bool {
 // may run on the backend's completion path, and does not block: the reply
 // is written at once if the socket takes it, else by the writer goroutine.
 func (r *request) Complete(err error) {
-	c := r.c
-	errno := uint32(0)
-	if err != nil {
-		errno = c.errnoOf(err, errIO)
-	}
-	c.reply(r, errno, err == nil && r.typ == cmdRead)
+	r.prepareResult(err)
+	r.c.send(r)
 }
 
 // CompleteBatched ends a request started with submit, as Complete, but its
 // reply waits in the connection's batch for the Flusher it returns
 // (blockdev.BatchCompletion): the replies of a batch go out in one writev.
 func (r *request) CompleteBatched(err error) blockdev.Flusher {
-	c := r.c
+	r.prepareResult(err)
+	return r.c.batchReply(r)
+}
+
+// prepareResult makes the reply of a request started with submit for the
+// backend's result err.
+func (r *request) prepareResult(err error) {
 	errno := uint32(0)
 	if err != nil {
-		errno = c.errnoOf(err, errIO)
+		errno = r.c.errnoOf(err, errIO)
 	}
-	c.prepareReply(r, errno, err == nil && r.typ == cmdRead)
-	return c.batchReply(r)
+	r.c.prepareReply(r, errno, err == nil && r.typ == cmdRead)
 }
 
 // inRange tells whether [off, off+length) lies within the export.
