@@ -142,7 +142,7 @@ func (v *Volume) check(off, n uint64) error {
 
 // Alloc lends registered memory for a request of n bytes.
 func (v *Volume) Alloc(ctx context.Context, n int) (*blockdev.Buffer, error) {
-	b, err := v.pool.alloc(ctx, n)
+	b, err := v.pool.alloc(ctx, n, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -24,6 +24,7 @@ type Metrics struct {
 	resizes        prometheus.Counter // see resize.go
 	doneMessages   prometheus.Counter // see doneWindow
 	doneWrites     prometheus.Counter
+	sqPosts        prometheus.Counter // link.Options.Posts
 
 	// The children of the IO path's vectors, resolved once: index 0 for
 	// reads, 1 for writes.
@@ -74,6 +75,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Done messages that reported writes of the run-to-completion path (writes of granted chunks); several writes share one at depth."}),
 		doneWrites: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "done_writes_total",
 			Help: "Writes reported by done_messages_total's messages."}),
+		sqPosts: prometheus.NewCounter(prometheus.CounterOpts{Namespace: ns, Name: "sq_posts_total",
+			Help: "Calls that posted work requests to the target's connections (on RDMA one doorbell each; the requests read from the socket together share one)."}),
 		fastFailing: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: ns, Name: "fast_failing",
 			Help: "1 while IO fails at once because the target has been unreachable for longer than --fast-fail-timeout (reconnecting goes on), else 0."}),
 	}
@@ -93,7 +96,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.rdmaOps, m.rdmaBytes, m.rdmaSeconds, m.grantRequests, m.grantSeconds, m.revokes,
-			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects, m.fastFailing, m.doneMessages, m.doneWrites)
+			m.grantsHeld, m.controlSeconds, m.errors, m.sessions, m.reconnects, m.fastFailing, m.doneMessages, m.doneWrites, m.sqPosts)
 	}
 	m.registerResize(reg)
 	return m

@@ -156,8 +156,14 @@ func (p *bufPool) tryTake(b *ioBuf, n int) bool {
 	return true
 }
 
-// alloc takes the slots for n bytes, waiting while the pool is short.
-func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
+// unplugger is told before a buffer allocation waits: a plugged
+// submitter (blockdev.Plugger) unplugs, since the requests whose end would
+// free a buffer may be held back.
+type unplugger interface{ Unplug() }
+
+// alloc takes the slots for n bytes, waiting while the pool is short
+// (after u.Unplug, if u is not nil).
+func (p *bufPool) alloc(ctx context.Context, n int, u unplugger) (*ioBuf, error) {
 	if n > p.capacity() {
 		return nil, fmt.Errorf("buffer of %d bytes exceeds the pool of %d", n, p.capacity())
 	}
@@ -176,6 +182,9 @@ func (p *bufPool) alloc(ctx context.Context, n int) (*ioBuf, error) {
 		p.waiting.Add(1)
 		defer p.waiting.Add(-1)
 		p.mu.Unlock()
+		if u != nil {
+			u.Unplug()
+		}
 		p.reclaim()
 		p.mu.Lock()
 		stop := context.AfterFunc(ctx, func() {
@@ -239,7 +248,7 @@ func (c *bufCache) stack(class int) *[]*ioBuf {
 
 // allocQ is alloc for queue q: a request of a small class takes a buffer
 // of its queue's cache when it has one, without the pool's lock.
-func (p *bufPool) allocQ(ctx context.Context, q, n int) (*ioBuf, error) {
+func (p *bufPool) allocQ(ctx context.Context, q, n int, u unplugger) (*ioBuf, error) {
 	if n > 0 && n <= midSlot {
 		class := midSlot
 		if n <= smallSlot {
@@ -258,7 +267,7 @@ func (p *bufPool) allocQ(ctx context.Context, q, n int) (*ioBuf, error) {
 		}
 		c.mu.Unlock()
 	}
-	return p.alloc(ctx, n)
+	return p.alloc(ctx, n, u)
 }
 
 // releaseQ is release for queue q: a buffer of a small class goes to

@@ -3,6 +3,7 @@ package initiator
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -36,7 +37,7 @@ func TestPoolClasses(t *testing.T) {
 		n, class, segs int
 	}{{1, smallSlot, 1}, {smallSlot, smallSlot, 1}, {smallSlot + 1, midSlot, 1}, {midSlot, midSlot, 1},
 		{midSlot + 1, bigSlot, 1}, {bigSlot + 1, bigSlot, 2}, {MaxRequest, bigSlot, MaxRequest / bigSlot}} {
-		b, err := p.alloc(ctx, c.n)
+		b, err := p.alloc(ctx, c.n, nil)
 		if err != nil {
 			t.Fatalf("alloc %d: %v", c.n, err)
 		}
@@ -48,7 +49,7 @@ func TestPoolClasses(t *testing.T) {
 	if got := p.slots(); got != all {
 		t.Fatalf("after releasing all: slots %v, want %v", got, all)
 	}
-	if _, err := p.alloc(ctx, p.capacity()+1); err == nil {
+	if _, err := p.alloc(ctx, p.capacity()+1, nil); err == nil {
 		t.Fatal("alloc beyond the pool's capacity succeeded")
 	}
 }
@@ -64,7 +65,7 @@ func TestPoolQueueCache(t *testing.T) {
 		t.Fatalf("cache limit %d", p.cacheLimit)
 	}
 	ctx := context.Background()
-	b, err := p.allocQ(ctx, 0, 4096)
+	b, err := p.allocQ(ctx, 0, 4096, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +73,7 @@ func TestPoolQueueCache(t *testing.T) {
 	if p.cached(0) != 1 {
 		t.Fatalf("queue 0 caches %d buffers after one release, want 1", p.cached(0))
 	}
-	b2, err := p.allocQ(ctx, 0, 512)
+	b2, err := p.allocQ(ctx, 0, 512, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +88,7 @@ func TestPoolQueueCache(t *testing.T) {
 	total := all[0] + all[1] + all[2]
 	var bufs []*ioBuf
 	for range total {
-		b, err := p.allocQ(ctx, 0, 4096)
+		b, err := p.allocQ(ctx, 0, 4096, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -104,7 +105,7 @@ func TestPoolQueueCache(t *testing.T) {
 	bufs = bufs[:0]
 	for i := range total {
 		tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		b, err := p.allocQ(tctx, 0, 4096)
+		b, err := p.allocQ(tctx, 0, 4096, nil)
 		cancel()
 		if err != nil {
 			t.Fatalf("alloc %d of %d: %v (cached by queue 1: %d)", i+1, total, err, p.cached(1))
@@ -117,7 +118,7 @@ func TestPoolQueueCache(t *testing.T) {
 	go func() {
 		tctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		b, err := p.allocQ(tctx, 1, 4096)
+		b, err := p.allocQ(tctx, 1, 4096, nil)
 		if err == nil {
 			p.release(b)
 		}
@@ -146,13 +147,13 @@ func TestPoolQueueCache(t *testing.T) {
 	cancel()
 	var held []*ioBuf
 	for range all[2] {
-		b, err := p.alloc(ctx, bigSlot)
+		b, err := p.alloc(ctx, bigSlot, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		held = append(held, b)
 	}
-	if _, err := p.allocQ(cctx, 0, bigSlot); !errors.Is(err, context.Canceled) {
+	if _, err := p.allocQ(cctx, 0, bigSlot, nil); !errors.Is(err, context.Canceled) {
 		t.Fatalf("alloc of a big slot on a pool without one, canceled: %v", err)
 	}
 	for _, b := range held {
@@ -160,5 +161,52 @@ func TestPoolQueueCache(t *testing.T) {
 	}
 	if got := p.slots(); got != all {
 		t.Fatalf("at the end: slots %v, want %v", got, all)
+	}
+}
+
+// unplugRecorder is an unplugger that counts its calls.
+type unplugRecorder struct{ calls atomic.Int32 }
+
+func (u *unplugRecorder) Unplug() { u.calls.Add(1) }
+
+// TestAllocUnplugsBeforeWaiting: an alloc that must wait for a buffer
+// unplugs its submitter first (the requests whose end would free one may
+// be held back by the plug), once; one that does not wait leaves the plug
+// alone.
+func TestAllocUnplugsBeforeWaiting(t *testing.T) {
+	p := newBufPool(make([]byte, DefaultPoolSize), 1)
+	ctx := context.Background()
+	u := &unplugRecorder{}
+	b, err := p.alloc(ctx, p.capacity(), u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := u.calls.Load(); n != 0 {
+		t.Fatalf("an alloc that did not wait unplugged %d times", n)
+	}
+	// The big slots are all taken: the next one waits, after unplugging.
+	got := make(chan error, 1)
+	go func() {
+		tctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		b2, err := p.alloc(tctx, bigSlot, u)
+		if err == nil {
+			p.release(b2)
+		}
+		got <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for p.waiting.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the alloc on a pool without a big slot did not wait")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	p.release(b)
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	if n := u.calls.Load(); n != 1 {
+		t.Fatalf("an alloc that waited unplugged %d times, want 1", n)
 	}
 }

@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 
 	"github.com/rblk/rblk/initiator/blockdev"
+	"github.com/rblk/rblk/protocol/link"
 
 	"github.com/rblk/rblk/protocol"
 )
@@ -156,16 +158,48 @@ func (v *Volume) Queue(i int) blockdev.Backend { return &queueView{v: v, q: i} }
 type queueView struct {
 	v *Volume
 	q int
+	// plugged is the link Plug plugged, until Unplug: by the submitting
+	// goroutine, or by one whose Alloc must wait (a front end's worker).
+	plugged atomic.Pointer[link.Link]
 }
 
 var (
 	_ blockdev.Backend   = (*queueView)(nil)
 	_ blockdev.Submitter = (*queueView)(nil)
+	_ blockdev.Plugger   = (*queueView)(nil)
 )
 
-// Alloc takes a buffer through the queue's cache (bufPool.allocQ).
+// Plug holds back the work requests of the queue's link until Unplug
+// (blockdev.Plugger, link.Plug): the requests submitted meanwhile go to
+// the target with one doorbell. No session up: nothing to hold back.
+func (qv *queueView) Plug() {
+	if qv.plugged.Load() != nil {
+		return
+	}
+	if s := qv.v.queueFor(qv.q, 0); s != nil {
+		// Plugged, then recorded: whoever takes the record unplugs it.
+		s.link.Plug()
+		qv.plugged.Store(s.link)
+	}
+}
+
+// Unplug posts what Plug held back (blockdev.Plugger). The link is the one
+// plugged, even if the queue reconnected since.
+func (qv *queueView) Unplug() {
+	if l := qv.plugged.Swap(nil); l != nil {
+		l.Unplug()
+	}
+}
+
+// Alloc takes a buffer through the queue's cache (bufPool.allocQ); if it
+// must wait for one, it unplugs first (see Plug): the requests that would
+// free one may be held back.
 func (qv *queueView) Alloc(ctx context.Context, n int) (*blockdev.Buffer, error) {
-	b, err := qv.v.pool.allocQ(ctx, qv.q, n)
+	var unplug unplugger
+	if qv.plugged.Load() != nil {
+		unplug = qv
+	}
+	b, err := qv.v.pool.allocQ(ctx, qv.q, n, unplug)
 	if err != nil {
 		return nil, err
 	}

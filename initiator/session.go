@@ -125,7 +125,7 @@ func (v *Volume) dial(ctx context.Context, open func(s *session) error) (*sessio
 	s.cond.L = &s.mu
 	dctx, cancel := context.WithTimeout(ctx, min(dialTimeout, v.opts.IOTimeout))
 	l, err := link.Dial(dctx, v.opts.Provider, v.opts.Target, link.Options{Handler: s.handle, Logger: v.log,
-		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout})
+		KeepAlive: max(v.opts.KeepAlive, 0), RequestTimeout: v.opts.IOTimeout, Posts: v.m.sqPosts})
 	cancel()
 	if err != nil {
 		return nil, err

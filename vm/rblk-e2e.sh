@@ -497,6 +497,22 @@ hw_queues() {
 	echo "$n"
 }
 
+# bench_batching NAME PORT: the NBD requests of the rblk-attach of the
+# rblkd on PORT, and how many went per post to the target's send queues
+# (one doorbell each on RDMA: rblk_attach_sq_posts_total) and per write of
+# replies to the NBD socket (rblk_attach_nbd_reply_writes_total); "-"
+# where its build has no such metric.
+bench_batching() {
+	local am=127.0.0.1:$(($2 + 2100)) req posts writes
+	req=$(metric "$am" rblk_attach_nbd_requests_total) || req=0
+	posts=$(metric "$am" rblk_attach_sq_posts_total) || posts=0
+	writes=$(metric "$am" rblk_attach_nbd_reply_writes_total) || writes=0
+	awk -v n="$1" -v r="$req" -v p="$posts" -v w="$writes" 'BEGIN {
+		printf "  %-12s %9d NBD requests, %5s per post to the target, %5s replies per socket write\n", n, r,
+			(p > 0 ? sprintf("%.2f", r / p) : "-"), (w > 0 ? sprintf("%.2f", r / w) : "-")
+	}'
+}
+
 scen_bench() {
 	local size=$BENCH_MB csv=$WORK/fio.csv before=${RBLK_VM_BASELINE_BIN:-} nram=2 i d rc=0
 	local nvme rblk_dev rblk_apid rblk_rblkd bdev='' b_apid='' b_rblkd='' udev='' u_apid='' u_rblkd='' uram='' ndev=''
@@ -655,6 +671,12 @@ scen_bench() {
 		devs+=("nvme-of tcp=$tnvme${tj:+=$tj}" "rblk tcp=$tdev${tj:+=$tj}")
 	fi
 	fio_interleaved "$csv" "${devs[@]}" || rc=1
+	# What rblk-attach batched over the whole run (every job, every rep).
+	{
+		bench_batching rblk "$BENCH_PORT"
+		[ -z "$bdev" ] || bench_batching rblk-before "$BENCH_BEFORE_PORT"
+		[ -z "$tdev" ] || bench_batching "rblk tcp" "$BENCH_TCP_PORT"
+	} >"$BIN/fio-batching.txt"
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
 		fio_json "$csv" >"$BIN/fio-table.json"
@@ -663,6 +685,9 @@ scen_bench() {
 			cat "$BIN/fio-info.txt"
 			fio_table "$csv" "nvme-of rdma" rblk "${bdev:+rblk-before}" ${udev:+"rblk ublk"} ${ndev:+"nbd null"} ${mdev:+"rblk mirror"}
 			[ -z "$ndev" ] || fio_share "$csv" "nbd null" rblk
+			echo
+			echo "what rblk-attach batched (the whole run, every job):"
+			cat "$BIN/fio-batching.txt"
 			if [ -n "$mdev" ]; then
 				echo
 				echo "the mirror beside one rblk device (each write goes to both copies):"

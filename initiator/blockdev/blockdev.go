@@ -95,6 +95,24 @@ type Submitter interface {
 	SubmitWrite(ctx context.Context, b *Buffer, off uint64, fua bool, c Completion)
 }
 
+// Plugger is implemented by a Submitter that can hold back the requests
+// submitted between Plug and Unplug and start them together at Unplug (on
+// RDMA, one doorbell for the work requests of all of them), as the block
+// layer's plugging does. A front end that has more requests at hand (read
+// from its socket and not yet submitted) plugs before submitting them and
+// unplugs once it has none left.
+//
+// Plug and Unplug are called by one goroutine at a time, the one that
+// submits. It must call Unplug before it blocks on anything but the
+// Submitter's own calls (its socket, a channel, a worker): the requests
+// held back make no progress until then. The Submitter's own calls
+// (Alloc, SubmitRead, SubmitWrite, and every call that waits) unplug
+// first when they would wait. Neither call blocks.
+type Plugger interface {
+	Plug()
+	Unplug()
+}
+
 // Queuer is implemented by a Backend with several queues, each with its
 // own completion path (rblk: a connection to the target). A front end
 // with several connections or hardware queues serves its i-th from

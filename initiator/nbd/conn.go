@@ -64,6 +64,9 @@ type conn struct {
 	nworkers int
 	be       Backend            // the export's backend, or its queue for this connection
 	sub      blockdev.Submitter // be, if it is one
+	pl       blockdev.Plugger   // sub, if it is one
+	// plugged: pl holds back what was submitted (plug, unplug).
+	plugged bool
 
 	workers sync.WaitGroup
 	reqs    sync.WaitGroup // requests read and not finished
@@ -203,6 +206,7 @@ func (c *conn) transmit(x *export) error {
 		c.be = q.Queue(c.index)
 	}
 	c.sub, _ = c.be.(blockdev.Submitter)
+	c.pl, _ = c.sub.(blockdev.Plugger)
 	c.startWriter()
 	err := c.readLoop(x)
 	close(c.work)
@@ -212,8 +216,17 @@ func (c *conn) transmit(x *export) error {
 	return err
 }
 
+// readLoop reads requests and starts them. While more requests are in
+// its buffer, what it submits is plugged (blockdev.Plugger): the requests
+// of one read of the socket start together (one doorbell on RDMA). It
+// unplugs before anything that may block: reading the socket, waiting for
+// a slot (admit) or a worker (dispatch).
 func (c *conn) readLoop(x *export) error {
+	defer c.unplug()
 	for {
+		if c.br.Buffered() < requestSize {
+			c.unplug()
+		}
 		if _, err := io.ReadFull(c.br, c.rhdr[:]); err != nil {
 			return c.readErr(err, "reading a request")
 		}
@@ -261,13 +274,32 @@ func (c *conn) readLoop(x *export) error {
 		if c.submit(r) {
 			continue
 		}
+		c.unplug()
 		c.dispatch(r)
+	}
+}
+
+// plug makes the backend hold back what is submitted until unplug, if
+// more requests are in the buffer to go with it.
+func (c *conn) plug() {
+	if c.pl != nil && !c.plugged && c.br.Buffered() >= requestSize {
+		c.plugged = true
+		c.pl.Plug()
+	}
+}
+
+// unplug starts what the backend held back since plug.
+func (c *conn) unplug() {
+	if c.plugged {
+		c.plugged = false
+		c.pl.Unplug()
 	}
 }
 
 // admit counts a request in flight, first waiting while MaxInFlight are.
 func (c *conn) admit() {
 	if c.inFlight.Add(1) > int64(c.s.maxInFlight) {
+		c.unplug()   // (what would free a slot may be held back)
 		<-c.slotFree // from the release that brings the count back to the limit
 	}
 }
@@ -296,12 +328,14 @@ func (c *conn) submit(r *request) bool {
 			return false // the worker reports it
 		}
 		r.buf = b
+		c.plug()
 		c.sub.SubmitRead(c.ctx, b, r.off, r)
 		return true
 	case cmdWrite:
 		if r.buf == nil {
 			return false
 		}
+		c.plug()
 		c.sub.SubmitWrite(c.ctx, r.buf, r.off, r.flags&cmdFlagFUA != 0, r)
 		return true
 	}
@@ -410,6 +444,9 @@ func (c *conn) readWrite(x *export, r *request) error {
 		default:
 			r.buf = b
 			for _, seg := range b.Segs {
+				if c.br.Buffered() < len(seg) {
+					c.unplug() // (the read may block)
+				}
 				if _, err := io.ReadFull(c.br, seg); err != nil {
 					c.be.Free(b)
 					r.buf = nil
@@ -439,6 +476,7 @@ func (c *conn) discard(n uint32) error {
 	if n == 0 {
 		return nil
 	}
+	c.unplug() // (the reads may block)
 	if c.scratch == nil {
 		c.scratch = make([]byte, 64<<10)
 	}

@@ -554,6 +554,7 @@ type queue struct {
 
 	be  blockdev.Backend   // the backend, or its queue id (blockdev.Queuer)
 	sub blockdev.Submitter // be, if it is one
+	pl  blockdev.Plugger   // sub, if it is one
 	log *zap.Logger
 }
 
@@ -566,6 +567,7 @@ func newQueue(d *Device, id uint16) *queue {
 		q.be = qr.Queue(int(id))
 	}
 	q.sub, _ = q.be.(blockdev.Submitter)
+	q.pl, _ = q.sub.(blockdev.Plugger)
 	q.efd.Store(-1)
 	q.one[0] = 1
 	q.tags = make([]tag, d.opts.Depth)
@@ -734,13 +736,23 @@ func (q *queue) run(ready chan<- error) {
 func (q *queue) loop() {
 	for {
 		q.awake.Store(true)
-		for {
-			c, ok := q.ring.PeekCQE()
-			if !ok {
-				break
-			}
+		// The requests of one pass start together (blockdev.Plugger: one
+		// doorbell for them all on RDMA) when there are several; nothing
+		// in a pass blocks (tryAlloc, slow's goroutines).
+		plugged := false
+		c, ok := q.ring.PeekCQE()
+		for ok {
 			q.ring.Seen()
+			next, more := q.ring.PeekCQE()
+			if more && !plugged && q.pl != nil {
+				q.pl.Plug()
+				plugged = true
+			}
 			q.completion(c)
+			c, ok = next, more
+		}
+		if plugged {
+			q.pl.Unplug()
 		}
 		q.drain()
 		if q.inflight == 0 && (q.stopping.Load() || q.live == 0) {

@@ -46,7 +46,14 @@ type Options struct {
 	RequestTimeout time.Duration
 	// Logger gets one line per link event. Default: no logs.
 	Logger *zap.Logger
+	// Posts, if not nil, counts the calls that hand work requests to the
+	// connection (transport.Conn.PostSend): on RDMA, one doorbell each.
+	// Plugging (Plug) makes one call carry the requests of many.
+	Posts Counter
 }
+
+// Counter counts events (a prometheus.Counter is one).
+type Counter interface{ Inc() }
 
 func (o *Options) setDefaults() {
 	if o.RecvBuffers <= 0 {
@@ -173,7 +180,13 @@ type Link struct {
 	// chain of Start that ends in a SEND: that chain's completion frees
 	// their room in the send queue too.
 	orphans   int
-	orphanWRs []transport.WorkRequest // PostOps's work requests (mu)
+	orphanWRs []transport.WorkRequest  // PostOps's work requests (mu)
+	oneWR     [1]transport.WorkRequest // post's work request (mu)
+	// Plugging (mu; see Plug): while plugged, the work requests of Start,
+	// PostOps and post wait in plugWRs, in the order they were posted, and
+	// go to the connection together when it is unplugged.
+	plugged bool
+	plugWRs []transport.WorkRequest
 
 	lastRecv atomic.Int64 // when the last message arrived (UnixNano)
 	pinging  atomic.Bool  // a KeepAlive request is in flight
@@ -274,6 +287,9 @@ func setup(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	l.sqRoom = depth - opts.SendBuffers
 	l.lastRecv.Store(time.Now().UnixNano())
 	l.slotBatch = make([]uint64, opts.SendBuffers)
+	// (What the link posts and has not seen complete never exceeds the
+	// send queue: held back by a plug, it fits too.)
+	l.plugWRs = make([]transport.WorkRequest, 0, depth)
 	n := opts.RecvBuffers + opts.SendBuffers
 	mem, err := transport.AllocMemory(n*bufSize, false)
 	if err != nil {
@@ -358,9 +374,20 @@ func (l *Link) Close() error {
 func (l *Link) fail(err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.failLocked(err)
+}
+
+// failLocked is fail with l.mu held.
+func (l *Link) failLocked(err error) {
 	if l.down != nil {
 		return
 	}
+	// Work requests held back by a plug never reach the connection: their
+	// batches fail with the others once the connection is drained
+	// (failBatches).
+	l.plugged = false
+	clear(l.plugWRs)
+	l.plugWRs = l.plugWRs[:0]
 	if !errors.Is(err, ErrDown) {
 		err = fmt.Errorf("%w: %w", ErrDown, err)
 	}
@@ -393,6 +420,8 @@ func (l *Link) acquire(ctx context.Context, creditMsg bool) (int, error) {
 	if l.down == nil && ctx.Err() != nil {
 		return 0, ctx.Err() // (TryStart's way: no wake-up armed)
 	}
+	// What frees a slot or a credit may be held back by a plug.
+	l.unplugLocked()
 	stopWake := context.AfterFunc(ctx, func() {
 		l.mu.Lock()
 		l.cond.Broadcast()
@@ -443,8 +472,9 @@ func (l *Link) post(slot int, tag uint64, m protocol.Message) error {
 		return fmt.Errorf("encode %v: %w", m.Type(), err)
 	}
 	// Post under the lock so that credits announced and send order agree.
-	err = l.conn.PostSend(transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
-		Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
+	l.oneWR[0] = transport.WorkRequest{ID: kindSend | uint64(slot), Op: transport.OpSend,
+		Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}}
+	err = l.postLocked(l.oneWR[:])
 	if err != nil && errors.Is(err, transport.ErrQueueFull) {
 		// Cannot happen while the link's accounting is right (a SEND
 		// holds a send slot, and the slots are room kept for them): a
@@ -492,6 +522,7 @@ func (l *Link) WaitSent(ctx context.Context) error {
 	defer stopWake()
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.unplugLocked()
 	for len(l.freeSend) < l.opts.SendBuffers {
 		if l.down != nil {
 			return l.down
@@ -552,6 +583,8 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 		l.putWaiter(w)
 		return err
 	}
+	// The request may be held back by a plug: it goes now.
+	l.Unplug()
 	// The watchdog (see watchLoop) takes the link down at w.deadline,
 	// which signals w.
 	select {
@@ -603,6 +636,8 @@ func (l *Link) reserveSQ(ctx context.Context, want int, all bool) (int, error) {
 	if l.down == nil && ctx.Err() != nil {
 		return 0, ctx.Err()
 	}
+	// What frees room in the send queue may be held back by a plug.
+	l.unplugLocked()
 	stopWake := context.AfterFunc(ctx, func() {
 		l.mu.Lock()
 		l.cond.Broadcast()
@@ -669,8 +704,11 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 		}
 		l.mu.Lock()
 		b.pending++
+		// RDMA waits for its operations: what a plug holds goes first.
+		l.unplugLocked()
+		err = l.postLocked(b.wrs)
 		l.mu.Unlock()
-		if err = l.conn.PostSend(b.wrs...); err != nil {
+		if err != nil {
 			l.releaseSQ(k)
 			l.mu.Lock()
 			b.pending--
@@ -812,7 +850,7 @@ func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops
 			Local: transport.SGE{Region: l.sendRegion, Offset: slot * bufSize, Length: len(out)}})
 	}
 	l.batches[id] = b
-	err := l.conn.PostSend(b.wrs...)
+	err := l.postLocked(b.wrs)
 	if err != nil {
 		delete(l.batches, id)
 		l.sqRoom += len(ops)
@@ -835,6 +873,77 @@ func (l *Link) Start(ctx context.Context, cb Callback, msg protocol.Message, ops
 		return fmt.Errorf("post rdma: %w", err)
 	}
 	return nil
+}
+
+// Plug holds back the work requests posted from now on (by Start,
+// TryStart, PostOps and one-way messages, whoever calls them) until
+// Unplug, which hands them all to the connection in one call: on RDMA one
+// doorbell, and one pass of the device, for the requests of many IOs, as
+// the block layer's plugging and NVMe's deferred doorbell do. The order of
+// the requests is kept. Calls that wait (RDMA, Request, WaitSent, and a
+// Start or PostOps that must wait for a send slot, a credit or room in the
+// send queue) unplug the link first, since what they wait for may be held
+// back.
+//
+// The caller must call Unplug before it blocks on anything else (a
+// socket, a buffer): requests held back make no progress until then, nor
+// does whatever waits for them. Plug and Unplug do not block (Unplug
+// posts) and do not allocate.
+func (l *Link) Plug() {
+	l.mu.Lock()
+	if l.down == nil {
+		l.plugged = true
+	}
+	l.mu.Unlock()
+}
+
+// Unplug ends Plug: what it held back goes to the connection now. If the
+// connection refuses it, the link goes down, and the chains held back fail
+// as those in flight do (their callbacks get the error).
+func (l *Link) Unplug() {
+	l.mu.Lock()
+	l.unplugLocked()
+	l.mu.Unlock()
+}
+
+// unplugLocked is Unplug with l.mu held.
+func (l *Link) unplugLocked() {
+	l.plugged = false
+	if len(l.plugWRs) == 0 {
+		return
+	}
+	err := l.postNow(l.plugWRs)
+	clear(l.plugWRs)
+	l.plugWRs = l.plugWRs[:0]
+	if err != nil {
+		l.failLocked(fmt.Errorf("post send: %w", err))
+	}
+}
+
+// postLocked hands wrs to the connection, or holds them back while the
+// link is plugged (l.mu held). An error means none of wrs was posted.
+func (l *Link) postLocked(wrs []transport.WorkRequest) error {
+	if !l.plugged {
+		return l.postNow(wrs)
+	}
+	if len(l.plugWRs)+len(wrs) > cap(l.plugWRs) {
+		// (Cannot happen while the accounting holds: see setup.)
+		l.unplugLocked()
+		if l.down != nil {
+			return l.down
+		}
+		return l.postNow(wrs)
+	}
+	l.plugWRs = append(l.plugWRs, wrs...)
+	return nil
+}
+
+// postNow hands wrs to the connection and counts the call.
+func (l *Link) postNow(wrs []transport.WorkRequest) error {
+	if l.opts.Posts != nil {
+		l.opts.Posts.Inc()
+	}
+	return l.conn.PostSend(wrs...)
 }
 
 // ErrWouldWait is returned by TryStart where Start would wait.
@@ -892,7 +1001,7 @@ func (l *Link) PostOps(ctx context.Context, ops ...Op) error {
 		wrs = append(wrs, rdmaWR(0, op, false, 0))
 	}
 	l.orphanWRs = wrs
-	err := l.conn.PostSend(wrs...)
+	err := l.postLocked(wrs)
 	clear(wrs)
 	if err == nil {
 		l.orphans += len(ops)
