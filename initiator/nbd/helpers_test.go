@@ -181,6 +181,11 @@ func dialGo(t *testing.T, sock, name string) *rawClient {
 // request sends one request header and its payload.
 func (rc *rawClient) request(typ, flags uint16, cookie, off uint64, length uint32, payload []byte) {
 	rc.t.Helper()
+	rc.write(requestBytes(typ, flags, cookie, off, length, payload))
+}
+
+// requestBytes is the wire form of one request and its payload.
+func requestBytes(typ, flags uint16, cookie, off uint64, length uint32, payload []byte) []byte {
 	b := make([]byte, requestSize, requestSize+len(payload))
 	binary.BigEndian.PutUint32(b[0:], magicRequest)
 	binary.BigEndian.PutUint16(b[4:], flags)
@@ -188,7 +193,7 @@ func (rc *rawClient) request(typ, flags uint16, cookie, off uint64, length uint3
 	binary.BigEndian.PutUint64(b[8:], cookie)
 	binary.BigEndian.PutUint64(b[16:], off)
 	binary.BigEndian.PutUint32(b[24:], length)
-	rc.write(append(b, payload...))
+	return append(b, payload...)
 }
 
 // reply reads a simple reply header: the error and the cookie.

@@ -3,7 +3,6 @@ package nbd
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"sync"
 	"testing"
 	"time"
@@ -80,17 +79,6 @@ func (b *plugBackend) stats() (plugs int, released []int) {
 	return b.plugs, append([]int(nil), b.released...)
 }
 
-// requestBytes is the wire form of one request and its payload.
-func requestBytes(typ uint16, cookie, off uint64, length uint32, payload []byte) []byte {
-	b := make([]byte, requestSize, requestSize+len(payload))
-	binary.BigEndian.PutUint32(b[0:], magicRequest)
-	binary.BigEndian.PutUint16(b[6:], typ)
-	binary.BigEndian.PutUint64(b[8:], cookie)
-	binary.BigEndian.PutUint64(b[16:], off)
-	binary.BigEndian.PutUint32(b[24:], length)
-	return append(b, payload...)
-}
-
 // readReplies reads n replies to READs of length bytes at cookie*stride
 // (cookie < n) and checks their data against want.
 func readReplies(t *testing.T, rc *rawClient, n int, length uint32, stride uint64, want []byte) {
@@ -120,7 +108,7 @@ func TestPlugBatchesBufferedRequests(t *testing.T) {
 	rc := dialGo(t, ts.sock, "vol")
 	var req []byte
 	for i := range n {
-		req = append(req, requestBytes(cmdRead, uint64(i), uint64(i)*length, length, nil)...)
+		req = append(req, requestBytes(cmdRead, 0, uint64(i), uint64(i)*length, length, nil)...)
 	}
 	rc.write(req)
 	readReplies(t, rc, n, length, length, initial(size))
@@ -134,7 +122,7 @@ func TestPlugBatchesBufferedRequests(t *testing.T) {
 	}
 
 	// One request alone is not plugged.
-	rc.write(requestBytes(cmdRead, 0, 0, length, nil))
+	rc.write(requestBytes(cmdRead, 0, 0, 0, length, nil))
 	readReplies(t, rc, 1, length, length, initial(size))
 	if p, _ := be.stats(); p != plugs {
 		t.Errorf("a request alone plugged the backend (%d plugs, before %d)", p, plugs)
@@ -157,7 +145,7 @@ func TestPlugUnplugsBeforeWaiting(t *testing.T) {
 	// 16 READs at once, 4 in flight at most.
 	var req []byte
 	for i := range 16 {
-		req = append(req, requestBytes(cmdRead, uint64(i), uint64(i)*length, length, nil)...)
+		req = append(req, requestBytes(cmdRead, 0, uint64(i), uint64(i)*length, length, nil)...)
 	}
 	rc.write(req)
 	readReplies(t, rc, 16, length, length, want)
@@ -165,8 +153,8 @@ func TestPlugUnplugsBeforeWaiting(t *testing.T) {
 	// A READ, then a WRITE whose payload comes in two parts, the second
 	// only after the READ's reply.
 	payload := bytes.Repeat([]byte{0xa5}, 4096)
-	w := requestBytes(cmdWrite, 1, 64<<10, 4096, payload)
-	rc.write(append(requestBytes(cmdRead, 0, 0, length, nil), w[:requestSize+1000]...))
+	w := requestBytes(cmdWrite, 0, 1, 64<<10, 4096, payload)
+	rc.write(append(requestBytes(cmdRead, 0, 0, 0, length, nil), w[:requestSize+1000]...))
 	readReplies(t, rc, 1, length, length, want)
 	rc.write(w[requestSize+1000:])
 	if errno, cookie := rc.reply(); errno != 0 || cookie != 1 {
