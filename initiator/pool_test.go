@@ -124,13 +124,7 @@ func TestPoolQueueCache(t *testing.T) {
 		}
 		got <- err
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for p.waiting.Load() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the alloc on an empty pool did not wait")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitWaiter(t, p, "the alloc on an empty pool did not wait")
 	p.releaseQ(0, bufs[0])
 	if err := <-got; err != nil {
 		t.Fatalf("the waiting alloc: %v", err)
@@ -195,18 +189,24 @@ func TestAllocUnplugsBeforeWaiting(t *testing.T) {
 		}
 		got <- err
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for p.waiting.Load() == 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the alloc on a pool without a big slot did not wait")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitWaiter(t, p, "the alloc on a pool without a big slot did not wait")
 	p.release(b)
 	if err := <-got; err != nil {
 		t.Fatal(err)
 	}
 	if n := u.calls.Load(); n != 1 {
 		t.Fatalf("an alloc that waited unplugged %d times, want 1", n)
+	}
+}
+
+// waitWaiter waits until an alloc waits on p, or fails with what.
+func waitWaiter(t *testing.T, p *bufPool, what string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for p.waiting.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal(what)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }

@@ -706,7 +706,7 @@ func (l *Link) RDMA(ctx context.Context, ops ...Op) error {
 		b.pending++
 		// RDMA waits for its operations: what a plug holds goes first.
 		l.unplugLocked()
-		err = l.postLocked(b.wrs)
+		err = l.postNow(b.wrs)
 		l.mu.Unlock()
 		if err != nil {
 			l.releaseSQ(k)

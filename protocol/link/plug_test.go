@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/rblk/rblk/protocol"
 	"github.com/rblk/rblk/transport"
+	"github.com/rblk/rblk/transport/tcp"
 )
 
 // postCounter counts the link's calls to PostSend (Options.Posts).
@@ -160,5 +162,62 @@ func TestPlugLinkDown(t *testing.T) {
 	p.client.Unplug()
 	if got := posts.n.Load() - before; got != 0 {
 		t.Fatalf("%d PostSend calls after the link closed, want 0", got)
+	}
+}
+
+// refusingProvider dials connections whose PostSend fails once refuse is
+// set, as a connection the device broke under does.
+type refusingProvider struct {
+	transport.Provider
+	refuse atomic.Bool
+}
+
+func (p *refusingProvider) Dial(ctx context.Context, addr string, pd []byte) (transport.Conn, error) {
+	return wrapDial(ctx, p.Provider, addr, pd, func(c transport.Conn) transport.Conn { return &refusingConn{Conn: c, p: p} })
+}
+
+type refusingConn struct {
+	transport.Conn
+	p *refusingProvider
+}
+
+func (c *refusingConn) PostSend(wrs ...transport.WorkRequest) error {
+	if c.p.refuse.Load() {
+		return errors.New("injected: post send refused")
+	}
+	return c.Conn.PostSend(wrs...)
+}
+
+// TestPlugUnplugRefused: when the connection refuses what Unplug hands
+// it, the link goes down, the chains it held fail with ErrDown once it
+// closed, and nothing of them reached the peer.
+func TestPlugUnplugRefused(t *testing.T) {
+	rp := &refusingProvider{Provider: tcp.New("tcp")}
+	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: rp})
+	remote, local := p.regions(t)
+	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 64}}}
+	dones := p.dones.Load()
+	p.client.Plug()
+	cb := &chanCallback{ch: make(chan startResult, 1)}
+	if err := p.client.Start(context.Background(), cb, done,
+		Op{Write: true, Local: transport.SGE{Region: local, Offset: 0, Length: 64}, Addr: remote.Addr(), RKey: remote.RKey()}); err != nil {
+		t.Fatal(err)
+	}
+	rp.refuse.Store(true)
+	p.client.Unplug()
+	select {
+	case <-p.client.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a refused Unplug did not take the link down")
+	}
+	if err := p.client.Err(); err == nil || !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("link error %v, want the refusal", err)
+	}
+	p.client.Close()
+	if r := cb.wait(t); !errors.Is(r.err, ErrDown) {
+		t.Fatalf("callback of a chain whose post was refused: %v, want ErrDown", r.err)
+	}
+	if got := p.dones.Load(); got != dones {
+		t.Fatalf("the peer got %d Dones of a chain never posted", got-dones)
 	}
 }
