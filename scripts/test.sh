@@ -239,6 +239,7 @@ else
 	# machine that emulates slowly 6.1 took 1795 s), so that a hung guest
 	# still leaves the run its summary. (make vm-test: every scenario on
 	# both kernels.)
+	step "vm harness: a guest kernel that panics while it boots is booted again (scripts/vm-run-selftest.sh)" scripts/vm-run-selftest.sh
 	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestQemuIO)$'
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, csi-sanity (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-none}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \

@@ -218,6 +218,11 @@ run_kernel() {
 	else
 		SUMMARY+=("FAIL  kernel $k (${kver:-?}): exit $rc after $((SECONDS - t0))s; ${scen:-no scenario ran}; see $out.log")
 	fi
+	# (boots that panicked before the guest's init ran and were booted
+	# again, vm/run.sh)
+	if [ -s "$out/boot-panics" ]; then
+		while IFS= read -r line; do SUMMARY+=("        the guest kernel panicked before init, booted again: $line"); done <"$out/boot-panics"
+	fi
 	# (the e2e suite's and the soak's lines: which tests failed, where)
 	local l
 	for l in "$out/e2e-summary.txt" "$out/soak-summary.txt"; do
