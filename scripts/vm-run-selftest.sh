@@ -9,7 +9,9 @@
 #   ok         the guest script ran and exited 0
 # Each case asserts vm/run.sh's exit code, the number of boots, and what it
 # left in the share (boot-panics, console-bootN.log). Needs what vm/run.sh
-# needs before it boots (its packages, a kernel in /boot: it installs them).
+# needs before it boots (its packages, a kernel in /boot: it installs them);
+# its own cache and lock, so that it neither waits for a VM that runs nor
+# touches that VM's initramfs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -65,7 +67,7 @@ failed=0
 check() {
 	local name=$1 plan=$2 want_rc=$3 want_boots=$4 want_listed=$5 out=$tmp/$1 rc=0 boots listed
 	FAKE_QEMU_PLAN=$plan FAKE_QEMU_COUNT=$tmp/$name.count RBLK_VM_QEMU=$tmp/qemu RBLK_VM_OUT=$out \
-		RBLK_VM_TIMEOUT=60 vm/run.sh "$tmp/guest.sh" >"$tmp/$name.log" 2>&1 || rc=$?
+		RBLK_VM_CACHE=$tmp/cache RBLK_VM_LOCK=$tmp/lock RBLK_VM_TIMEOUT=60 vm/run.sh "$tmp/guest.sh" >"$tmp/$name.log" 2>&1 || rc=$?
 	boots=$(cat "$tmp/$name.count" 2>/dev/null || echo 0)
 	listed=0
 	[ ! -f "$out/boot-panics" ] || listed=$(wc -l <"$out/boot-panics")
@@ -92,8 +94,10 @@ check panic-every-boot "panic panic panic" 1 3 2
 check panic-after-init "late ok" 1 1 0
 check qemu-died "die ok" 1 1 0
 check ok "ok" 0 1 0
-# (RBLK_VM_BOOT_TRIES=1: no boot again)
+# (RBLK_VM_BOOT_TRIES=1: no boot again; 0 or words: refused, no boot)
 RBLK_VM_BOOT_TRIES=1 check no-retries "panic ok" 1 1 0
+RBLK_VM_BOOT_TRIES=0 check tries-zero "ok" 2 0 0
+RBLK_VM_BOOT_TRIES=three check tries-words "ok" 2 0 0
 
 # The last boot's panic is the run's reason, in words.
 grep -q 'panicked while it booted, before the guest.s init ran, 3 time' "$tmp/panic-every-boot.log" || {

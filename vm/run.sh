@@ -41,6 +41,7 @@ CACHE=${RBLK_VM_CACHE:-/var/tmp/rblk-vm}
 MEM=${RBLK_VM_MEM:-2G}
 SMP=${RBLK_VM_SMP:-2}
 LOCK=${RBLK_VM_LOCK:-/var/tmp/rblk-vm.lock}
+BOOT_TRIES=${RBLK_VM_BOOT_TRIES:-3}
 
 log() { echo "[vm] $*" >&2; }
 die() { echo "[vm] error: $*" >&2; exit 2; }
@@ -50,6 +51,7 @@ if [ $# -lt 1 ] || [ $# -gt 2 ]; then usage; fi
 GUEST_SCRIPT=$1
 ARTIFACT_DIR=${2:-}
 [ -f "$GUEST_SCRIPT" ] || die "guest script not found: $GUEST_SCRIPT"
+[[ $BOOT_TRIES =~ ^[1-9][0-9]*$ ]] || die "RBLK_VM_BOOT_TRIES=$BOOT_TRIES: want a number of boots, 1 or more"
 [ -z "$ARTIFACT_DIR" ] || [ -d "$ARTIFACT_DIR" ] || die "artifact dir not found: $ARTIFACT_DIR"
 
 # ---------------------------------------------------------------------------
@@ -277,7 +279,6 @@ boot_panicked() {
 # failed boot's console is kept (console-bootN.log) and listed in
 # boot-panics. A panic after init started is the run's result, as is a
 # qemu that dies without a panic.
-BOOT_TRIES=${RBLK_VM_BOOT_TRIES:-3}
 log "kernel $KVER, script $SCRIPT_NAME, timeout ${TIMEOUT}s, share $SHARE"
 start=$(date +%s.%N)
 t_start=$SECONDS try=1 left=$TIMEOUT
