@@ -501,15 +501,27 @@ hw_queues() {
 # rblkd on PORT, and how many went per post to the target's send queues
 # (one doorbell each on RDMA: rblk_attach_sq_posts_total) and per write of
 # replies to the NBD socket (rblk_attach_nbd_reply_writes_total); "-"
-# where its build has no such metric.
+# where its build has no such metric. Then what made the target write
+# back: the NBD flushes and FUA writes rblk-attach got, the flushes rblkd
+# did (each writes back the volume's dirty ranges and fdatasyncs) and
+# their mean time, and the bytes rblkd wrote back per byte written to it.
 bench_batching() {
-	local am=127.0.0.1:$(($2 + 2100)) req posts writes
+	local am=127.0.0.1:$(($2 + 2100)) tm=127.0.0.1:$(($2 + 2000)) req posts writes flush fua tfl tfs wb wr
 	req=$(metric "$am" rblk_attach_nbd_requests_total) || req=0
 	posts=$(metric "$am" rblk_attach_sq_posts_total) || posts=0
 	writes=$(metric "$am" rblk_attach_nbd_reply_writes_total) || writes=0
-	awk -v n="$1" -v r="$req" -v p="$posts" -v w="$writes" 'BEGIN {
-		printf "  %-12s %9d NBD requests, %5s per post to the target, %5s replies per socket write\n", n, r,
+	flush=$(metric "$am" 'rblk_attach_nbd_requests_total{op="flush",result="ok"}') || flush=0
+	fua=$(metric "$am" 'rblk_attach_control_duration_seconds_count{op="fua"}') || fua=0
+	tfl=$(metric "$tm" rblkd_flush_duration_seconds_count) || tfl=0
+	# (_sum in ms: metric rounds to a whole number)
+	tfs=$(curl -fsS --max-time 10 "http://$tm/metrics" | awk 'index($1, "rblkd_flush_duration_seconds_sum") == 1 { s += $NF } END { printf "%.1f\n", s * 1000 }') || tfs=0
+	wb=$(metric "$tm" rblkd_writeback_bytes_total) || wb=0
+	wr=$(metric "$tm" rblkd_written_bytes_total) || wr=0
+	awk -v n="$1" -v r="$req" -v p="$posts" -v w="$writes" -v f="$flush" -v u="$fua" -v tf="$tfl" -v ts="$tfs" -v wb="$wb" -v wr="$wr" 'BEGIN {
+		printf "  %-12s %9d NBD requests, %5s per post to the target, %5s replies per socket write;", n, r,
 			(p > 0 ? sprintf("%.2f", r / p) : "-"), (w > 0 ? sprintf("%.2f", r / w) : "-")
+		printf " %d flushes, %d FUA writes; rblkd: %d flushes (%s ms each), %s bytes written back per byte written\n", f, u, tf,
+			(tf > 0 ? sprintf("%.1f", ts / tf) : "-"), (wr > 0 ? sprintf("%.2f", wb / wr) : "-")
 	}'
 }
 
@@ -676,6 +688,10 @@ scen_bench() {
 		bench_batching rblk "$BENCH_PORT"
 		[ -z "$bdev" ] || bench_batching rblk-before "$BENCH_BEFORE_PORT"
 		[ -z "$tdev" ] || bench_batching "rblk tcp" "$BENCH_TCP_PORT"
+		if [ -n "$mdev" ]; then
+			bench_batching "mirror leg 0" "$BENCH_MIRROR_PORT"
+			bench_batching "mirror leg 1" $((BENCH_MIRROR_PORT + 1))
+		fi
 	} >"$BIN/fio-batching.txt"
 	if [ -s "$csv" ]; then
 		cp "$csv" "$BIN/fio-table.csv"
