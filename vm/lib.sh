@@ -66,10 +66,12 @@ wait_exit() {
 	echo "$what exited $rc"
 }
 
+# metric ADDR NAME [SCALE]: the sum of NAME's series at ADDR's /metrics,
+# times SCALE (default 1), as a whole number.
 metric() {
 	local out
 	out=$(curl -fsS --max-time 10 "http://$1/metrics") || return 1
-	awk -v m="$2" '$1 == m || index($1, m "{") == 1 { s += $NF } END { printf "%.0f\n", s }' <<<"$out"
+	awk -v m="$2" -v k="${3:-1}" '$1 == m || index($1, m "{") == 1 { s += $NF } END { printf "%.0f\n", s * k }' <<<"$out"
 }
 
 HOG_PIDS=()

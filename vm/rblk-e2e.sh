@@ -513,15 +513,14 @@ bench_batching() {
 	flush=$(metric "$am" 'rblk_attach_nbd_requests_total{op="flush",result="ok"}') || flush=0
 	fua=$(metric "$am" 'rblk_attach_control_duration_seconds_count{op="fua"}') || fua=0
 	tfl=$(metric "$tm" rblkd_flush_duration_seconds_count) || tfl=0
-	# (_sum in ms: metric rounds to a whole number)
-	tfs=$(curl -fsS --max-time 10 "http://$tm/metrics" | awk 'index($1, "rblkd_flush_duration_seconds_sum") == 1 { s += $NF } END { printf "%.1f\n", s * 1000 }') || tfs=0
+	tfs=$(metric "$tm" rblkd_flush_duration_seconds_sum 1000000) || tfs=0 # (µs)
 	wb=$(metric "$tm" rblkd_writeback_bytes_total) || wb=0
 	wr=$(metric "$tm" rblkd_written_bytes_total) || wr=0
 	awk -v n="$1" -v r="$req" -v p="$posts" -v w="$writes" -v f="$flush" -v u="$fua" -v tf="$tfl" -v ts="$tfs" -v wb="$wb" -v wr="$wr" 'BEGIN {
 		printf "  %-12s %9d NBD requests, %5s per post to the target, %5s replies per socket write;", n, r,
 			(p > 0 ? sprintf("%.2f", r / p) : "-"), (w > 0 ? sprintf("%.2f", r / w) : "-")
 		printf " %d flushes, %d FUA writes; rblkd: %d flushes (%s ms each), %s bytes written back per byte written\n", f, u, tf,
-			(tf > 0 ? sprintf("%.1f", ts / tf) : "-"), (wr > 0 ? sprintf("%.2f", wb / wr) : "-")
+			(tf > 0 ? sprintf("%.1f", ts / tf / 1000) : "-"), (wr > 0 ? sprintf("%.2f", wb / wr) : "-")
 	}'
 }
 
