@@ -235,17 +235,21 @@ else
 	# Both: the verbs provider's tests, an online grow, udev, no panic or
 	# race, dmesg. TestAllocsPerIO is left out (6 minutes under emulation;
 	# the soak's TestSubmitAllocs measures the same path over rdma in
-	# process). Each kernel's run is bounded (RBLK_VM_TIMEOUT, 2300 s: on a
-	# machine that emulates slowly 6.1 took 1795 s), so that a hung guest
-	# still leaves the run its summary. (make vm-test: every scenario on
-	# both kernels.)
+	# process), and so are the tests of what the transport does not touch
+	# (vm_host_only_tests: the configuration file and its reloads, the
+	# admin socket's exports, FIFOs and links refused, the man pages),
+	# which the e2e step above runs on the host. Each kernel's run is
+	# bounded (RBLK_VM_TIMEOUT, 2300 s: on a machine that emulates slowly
+	# 6.1 took 1795 s), so that a hung guest still leaves the run its
+	# summary. (make vm-test: every scenario on both kernels.)
 	step "vm harness: a guest kernel that panics while it boots is booted again (scripts/vm-run-selftest.sh)" scripts/vm-run-selftest.sh
 	vm_nbd_tests='^(TestCSIMirror|TestMirrorTargetKilled|TestNodeFailureDrillNodes|TestNodePluginRestart|TestFault.*|TestQemuIO)$'
+	vm_host_only_tests='^(TestReloadHalfWritten|TestConfigRefusedAtStart|TestExportAdmin|TestSameFileExports|TestFIFOExport|TestFIFOFiles|TestGenDocs)$'
 	step "vm: the e2e suite and a soak over Soft-RoCE verbs, /dev/nbdN, ublk, csi-sanity (scripts/vm-test.sh)" \
 		env RBLK_VM_BENCH_KERNELS="${RBLK_VM_BENCH_KERNELS-none}" RBLK_VM_CSI_KERNELS="${RBLK_VM_CSI_KERNELS-6.12}" \
 		RBLK_VM_SOAK_PLAN="${RBLK_VM_SOAK_PLAN-6.1:target 6.12:initiator}" \
 		RBLK_VM_E2E_PLAN="${RBLK_VM_E2E_PLAN-6.1:socket 6.12:nbd}" \
-		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|$vm_nbd_tests}" \
+		RBLK_VM_E2E_SKIP_KERNELS="${RBLK_VM_E2E_SKIP_KERNELS-6.1:TestAllocsPerIO|$vm_nbd_tests|$vm_host_only_tests}" \
 		RBLK_VM_E2E_RUN_KERNELS="${RBLK_VM_E2E_RUN_KERNELS-6.12:$vm_nbd_tests}" \
 		RBLK_VM_SKIP_KERNELS="${RBLK_VM_SKIP_KERNELS-6.12:small-cache}" RBLK_VM_CSI_RUNS="${RBLK_VM_CSI_RUNS-short}" \
 		RBLK_VM_TIMEOUT="${RBLK_VM_TIMEOUT-2300}" scripts/vm-test.sh
