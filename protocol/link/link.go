@@ -610,12 +610,38 @@ func (l *Link) RequestWithin(ctx context.Context, timeout time.Duration, m proto
 // it stops polling, so that not even a stuck completion path keeps the
 // waiters (once Close returned, the provider no longer touches buffers).
 func (l *Link) expire(err error) {
-	l.log.Warn("peer timed out, closing the link", zap.Error(err))
+	l.log.Warn("peer timed out, closing the link", append([]zap.Field{zap.Error(err)}, l.stateFields()...)...)
 	l.fail(err)
 	go func() {
 		l.conn.Close()
 		l.stop()
 	}()
+}
+
+// stateFields describes the link's flow control at this moment, for the
+// log line of a link that timed out: whether it could still send (the
+// peer's credits, free send slots, the send queue's room), what it owed
+// the peer (credits not yet returned, pings to answer), what it waited for
+// (requests, RDMA batches), and when it last heard from the peer. A stall
+// of the transport (send completions that stop) shows as no free slots; a
+// flow-control deadlock as no credits on both sides.
+func (l *Link) stateFields() []zap.Field {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return []zap.Field{zap.Dict("link",
+		zap.Int("peer_credits", l.credits),
+		zap.Int("credits_to_return", l.toReturn),
+		zap.String("send_slots_free", fmt.Sprintf("%d/%d", len(l.freeSend), l.opts.SendBuffers)),
+		zap.Int("sq_room", l.sqRoom),
+		zap.Int("sq_waiters", l.sqWaiters),
+		zap.Int("requests_waiting", len(l.waiters)),
+		zap.Int("rdma_batches", len(l.batches)),
+		zap.Int("pongs_owed", len(l.pongs)),
+		zap.Bool("pinging", l.pinging.Load()),
+		zap.Bool("plugged", l.plugged),
+		zap.Int("plugged_wrs", len(l.plugWRs)),
+		zap.Duration("since_last_recv", time.Since(time.Unix(0, l.lastRecv.Load())).Round(time.Millisecond)),
+	)}
 }
 
 // reserveSQ takes up to want entries of the send queue's room for RDMA

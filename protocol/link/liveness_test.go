@@ -3,6 +3,7 @@ package link
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -11,6 +12,8 @@ import (
 	"github.com/rblk/rblk/transport"
 	"github.com/rblk/rblk/transport/tcp"
 	"github.com/rblk/rblk/transport/transporttest/faultnet"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // stalledServer returns a pair whose server stops processing completions
@@ -49,6 +52,50 @@ func TestKeepAliveDetectsSilentPeer(t *testing.T) {
 	}
 	if took := time.Since(start); took < ka {
 		t.Fatalf("declared dead %v after the pair was made, before the keepalive timeout %v", took, ka)
+	}
+}
+
+// TestTimeoutLogsLinkState: the log line of a link that timed out says
+// what state its flow control was in (so that a stall in the field tells a
+// silent peer from a credit deadlock or a transport whose completions
+// stopped), and when it last heard from the peer.
+func TestTimeoutLogsLinkState(t *testing.T) {
+	const ka = 600 * time.Millisecond
+	core, logs := observer.New(zap.WarnLevel)
+	p, stall := stalledServer(t, func(o *Options) { o.KeepAlive = ka; o.Logger = zap.New(core) })
+	stall()
+	select {
+	case <-p.client.Done():
+	case <-time.After(10 * ka):
+		t.Fatalf("link still up %v after the peer went silent (keepalive %v)", 10*ka, ka)
+	}
+	entries := logs.FilterMessage("peer timed out, closing the link").All()
+	if len(entries) != 1 {
+		t.Fatalf("%d log lines \"peer timed out, closing the link\", want 1 (all: %v)", len(entries), logs.All())
+	}
+	state, ok := entries[0].ContextMap()["link"].(map[string]any)
+	if !ok {
+		t.Fatalf("log line without the link's state: %v", entries[0].ContextMap())
+	}
+	// 8 receive buffers at the server: the client's credits were its 8 less
+	// what went out unanswered (pings), and its send slots (as many) free
+	// once those SENDs completed.
+	if c, ok := state["peer_credits"].(int64); !ok || c < 0 || c >= 8 {
+		t.Errorf("peer_credits = %v, want 0 to 7 (pings went out)", state["peer_credits"])
+	}
+	var free, slots int
+	if s, ok := state["send_slots_free"].(string); !ok {
+		t.Errorf("send_slots_free = %v, want free/total", state["send_slots_free"])
+	} else if _, err := fmt.Sscanf(s, "%d/%d", &free, &slots); err != nil || free < 0 || free > slots || slots != 8 {
+		t.Errorf("send_slots_free = %q, want n/8", s)
+	}
+	if d, ok := state["since_last_recv"].(time.Duration); !ok || d < ka {
+		t.Errorf("since_last_recv = %v, want at least the keepalive timeout %v", state["since_last_recv"], ka)
+	}
+	for _, k := range []string{"credits_to_return", "sq_room", "requests_waiting", "rdma_batches", "pongs_owed", "pinging", "plugged"} {
+		if _, ok := state[k]; !ok {
+			t.Errorf("link state without %s: %v", k, state)
+		}
 	}
 }
 
