@@ -172,8 +172,9 @@ type Link struct {
 	nextBatch    uint64
 	down         error
 	downCh       chan struct{}
-	creditSignal chan struct{} // wakes serviceLoop: credits or pongs owed
-	pongs        []uint64      // tags of KeepAlive requests to answer
+	creditSignal chan struct{} // wakes creditLoop: credits owed
+	pongSignal   chan struct{} // wakes pongLoop: KeepAlive requests to answer
+	pongs        []uint64      // tags of KeepAlive requests to answer (at most maxPongsOwed)
 	sqRoom       int           // send queue entries free for RDMA operations
 	sqWaiters    int           // RDMA posts waiting for sqRoom
 	// orphans counts the operations posted by PostOps since the last
@@ -276,7 +277,7 @@ func setup(conn transport.Conn, peerCredits int, opts Options) (*Link, error) {
 	}
 	l := &Link{conn: conn, opts: opts, log: opts.Logger, credits: peerCredits,
 		waiters: make(map[uint64]*waiter), batches: make(map[uint64]*batch),
-		creditSignal: make(chan struct{}, 1), downCh: make(chan struct{})}
+		creditSignal: make(chan struct{}, 1), pongSignal: make(chan struct{}, 1), downCh: make(chan struct{})}
 	l.cond = sync.NewCond(&l.mu)
 	depth := conn.Limits().SendQueueDepth
 	if depth < 4 {
@@ -336,8 +337,9 @@ func (l *Link) start() {
 	} else {
 		go l.pollLoop(ctx)
 	}
-	go l.serviceLoop(ctx)
-	l.wg.Add(1)
+	go l.creditLoop(ctx)
+	l.wg.Add(2)
+	go l.pongLoop(ctx)
 	go l.watchLoop(ctx)
 }
 
@@ -1327,10 +1329,21 @@ func (l *Link) receive(slot, n int) {
 			return
 		}
 		l.mu.Lock()
-		l.pongs = append(l.pongs, h.Tag)
+		owed := len(l.pongs)
+		if owed < maxPongsOwed {
+			l.pongs = append(l.pongs, h.Tag)
+		}
 		l.mu.Unlock()
+		if owed >= maxPongsOwed {
+			// A peer waits for each answer before it asks again: this
+			// one asks without reading them.
+			l.log.Warn("KeepAlive requests beyond those owed an answer, closing link", zap.Int("owed", owed))
+			l.fail(fmt.Errorf("receive: more than %d KeepAlive requests unanswered: %w", maxPongsOwed, protocol.ErrProtocol))
+			go l.conn.Close()
+			return
+		}
 		select {
-		case l.creditSignal <- struct{}{}:
+		case l.pongSignal <- struct{}{}:
 		default:
 		}
 	case isReply(h.Type) && h.Tag != 0:
@@ -1368,17 +1381,49 @@ func (l *Link) decodeReply(h protocol.Header, payload []byte, reply protocol.Mes
 	return nil
 }
 
-// serviceLoop sends what the completion goroutine must not wait to send:
-// credits, with a Credit message when many receive buffers were re-posted
-// and no other message carried them back, and the OK replies to the
-// peer's KeepAlive requests.
-func (l *Link) serviceLoop(ctx context.Context) {
+// maxPongsOwed bounds the KeepAlive requests a link holds unanswered: a
+// peer has one in flight at a time (its next waits for the answer), so
+// more is a peer that floods them, and the link goes down.
+const maxPongsOwed = 8
+
+// creditLoop returns the peer its credits with a Credit message when many
+// receive buffers were re-posted and no other message carried them back.
+// It sends with the credit kept for it, so it never waits for one: it is
+// apart from pongLoop, whose answers do wait for credits, so that an
+// answer waiting never holds back the credits that would free it.
+func (l *Link) creditLoop(ctx context.Context) {
 	defer l.wg.Done()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-l.creditSignal:
+		}
+		l.mu.Lock()
+		need := l.toReturn >= l.opts.RecvBuffers/2 && l.down == nil
+		l.mu.Unlock()
+		if !need {
+			continue
+		}
+		slot, err := l.acquire(ctx, true)
+		if err != nil {
+			return
+		}
+		if err := l.post(slot, 0, &protocol.Credit{}); err != nil {
+			return
+		}
+	}
+}
+
+// pongLoop sends the OK replies to the peer's KeepAlive requests, which
+// the completion goroutine must not wait to send.
+func (l *Link) pongLoop(ctx context.Context) {
+	defer l.wg.Done()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-l.pongSignal:
 		}
 		for {
 			l.mu.Lock()
@@ -1394,19 +1439,6 @@ func (l *Link) serviceLoop(ctx context.Context) {
 			if err := l.Send(ctx, pong, &protocol.OK{}); err != nil {
 				return
 			}
-		}
-		l.mu.Lock()
-		need := l.toReturn >= l.opts.RecvBuffers/2 && l.down == nil
-		l.mu.Unlock()
-		if !need {
-			continue
-		}
-		slot, err := l.acquire(ctx, true)
-		if err != nil {
-			return
-		}
-		if err := l.post(slot, 0, &protocol.Credit{}); err != nil {
-			return
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -235,5 +236,104 @@ func TestSendRacingClose(t *testing.T) {
 	d := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
 	if err := p.client.Send(context.Background(), 0, d); !errors.Is(err, ErrDown) {
 		t.Fatalf("send on a link closed after its slot was taken: %v, want ErrDown", err)
+	}
+}
+
+// TestPongWaitingForCreditDoesNotHoldCredits: a KeepAlive that cannot be
+// answered yet (this side spent its credits, down to the one kept for
+// Credit messages) must not hold back the Credit message that returns the
+// peer its credits: if it did, and the peer's answer waited the same way,
+// neither side could send again until a keepalive took the link down.
+func TestPongWaitingForCreditDoesNotHoldCredits(t *testing.T) {
+	fp := faultnet.Wrap(tcp.New("tcp"))
+	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: fp})
+	var client *faultnet.Conn
+	for _, c := range fp.Conns() {
+		if transport.Conn(c) == p.client.Conn() {
+			client = c
+		}
+	}
+	if client == nil {
+		t.Fatal("no faultnet conn of the client")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
+	// The client takes in nothing for now: the server spends its credits
+	// (8, one kept) on messages the client does not see.
+	client.Hold()
+	for i := range 7 {
+		if err := p.server.Send(ctx, 0, done); err != nil {
+			t.Fatalf("server message %d: %v", i+1, err)
+		}
+	}
+	// The client asks whether the server is alive: the server owes an OK
+	// it has no credit for.
+	pong := make(chan error, 1)
+	go func() { pong <- p.client.RequestWithin(ctx, 0, &protocol.KeepAlive{}, &protocol.OK{}) }()
+	waitFor(t, "the server to owe a pong", func() bool {
+		p.server.mu.Lock()
+		defer p.server.mu.Unlock()
+		return len(p.server.pongs) == 1 || p.server.credits <= 1 && p.server.toReturn > 0
+	})
+	// The client sends on: the server re-posts half its buffers and must
+	// return them with a Credit message, its pong still waiting.
+	for i := range 4 {
+		if err := p.client.Send(ctx, 0, done); err != nil {
+			t.Fatalf("client message %d: %v", i+1, err)
+		}
+	}
+	waitFor(t, "the server to return its re-posted buffers (a Credit message) while its pong waits for a credit", func() bool {
+		p.server.mu.Lock()
+		defer p.server.mu.Unlock()
+		return p.server.toReturn == 0
+	})
+	client.Release()
+	if err := <-pong; err != nil {
+		t.Fatalf("KeepAlive: %v, want OK once the client took in what was held", err)
+	}
+}
+
+// TestKeepAliveFloodBounded: a peer that sends KeepAlive requests without
+// waiting for their answers, while this side cannot answer (no credit),
+// gets the link closed after maxPongsOwed of them, not a queue that grows
+// with every one.
+func TestKeepAliveFloodBounded(t *testing.T) {
+	const buffers = 32
+	fp := faultnet.Wrap(tcp.New("tcp"))
+	p := newPairWith(t, pairConfig{recvBuffers: buffers, provider: fp})
+	var client *faultnet.Conn
+	for _, c := range fp.Conns() {
+		if transport.Conn(c) == p.client.Conn() {
+			client = c
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
+	client.Hold()
+	defer client.Release()
+	for i := range buffers - 1 {
+		if err := p.server.Send(ctx, 0, done); err != nil {
+			t.Fatalf("server message %d: %v", i+1, err)
+		}
+	}
+	// One answer waits for a credit, maxPongsOwed more are queued, and the
+	// next is one too many.
+	for i := range maxPongsOwed + 2 {
+		if err := p.client.Send(ctx, uint64(1000+i), &protocol.KeepAlive{}); err != nil {
+			t.Fatalf("KeepAlive %d: %v", i+1, err)
+		}
+	}
+	select {
+	case <-p.server.Done():
+	case <-time.After(5 * time.Second):
+		p.server.mu.Lock()
+		owed := len(p.server.pongs)
+		p.server.mu.Unlock()
+		t.Fatalf("server link still up after %d KeepAlive requests it could not answer (%d queued)", maxPongsOwed+2, owed)
+	}
+	if err := p.server.Err(); !errors.Is(err, protocol.ErrProtocol) || !strings.Contains(err.Error(), "KeepAlive requests unanswered") {
+		t.Fatalf("server link down with %v, want a protocol error about unanswered KeepAlive requests", err)
 	}
 }
