@@ -7,7 +7,9 @@
 // data) how many receives it posted, every SEND spends one credit, and the
 // receiver returns credits in the header of its next message, or in a
 // Credit message once half of its buffers were re-posted. One credit is kept
-// for Credit messages so the two sides can never both wait for credits.
+// for Credit messages so the two sides can never both wait for credits;
+// they go from a goroutine of their own, which no other message (not even
+// the answer to a KeepAlive, which waits for a credit like any) holds up.
 //
 // On top of that a Link offers what both ends of rblk need:
 //
@@ -15,7 +17,8 @@
 //   - Send sends one-way messages and replies (in order, per goroutine);
 //   - RDMA posts a chain of one-sided READs and WRITEs and waits for all;
 //   - the Handler sees every message that is not a reply, but KeepAlive,
-//     which the link answers itself;
+//     which the link answers itself (a peer that asks more than 8 times
+//     without reading the answers breaks the link);
 //   - Start posts a chain and calls back at its end, on the completion
 //     goroutine; a callback may Defer work (a Flusher) to the end of the
 //     batch of completions it is part of, to do it once for them all.
