@@ -434,11 +434,39 @@ func (c *cache) releaseKey(ch *chunk, s *session, key grantKey, what string) {
 	}
 }
 
-// releaseAll releases the grants the table gave up, lost as release says.
+// releaseWorkers bounds how many grants one releaseAll releases at once.
+// Invalidating a memory window is a work request on its session's send
+// queue, waited for until it completes, and the rdma provider keeps room
+// for 8 of them per connection: one at a time, a session's thousand grants
+// (a Close, a fence) cost a thousand round trips through the completion
+// path, which on Soft-RoCE under emulation is tens of seconds.
+const releaseWorkers = 8
+
+// releaseAll releases the grants the table gave up, lost as release says,
+// up to releaseWorkers at once, and returns when all are released.
 func (c *cache) releaseAll(hs []*holder, lost bool) {
-	for _, h := range hs {
-		c.release(h, lost)
+	if len(hs) <= 1 {
+		for _, h := range hs {
+			c.release(h, lost)
+		}
+		return
 	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(releaseWorkers, len(hs)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= len(hs) {
+					return
+				}
+				c.release(hs[i], lost)
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // flush makes every range marked dirty before the call durable: the chunks
