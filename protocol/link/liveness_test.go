@@ -33,6 +33,19 @@ func stalledServer(t *testing.T, client func(*Options)) (*pair, func()) {
 	}
 }
 
+// faultConnOf returns l's connection of fp's, whose completions the test
+// can hold.
+func faultConnOf(t *testing.T, fp *faultnet.Provider, l *Link) *faultnet.Conn {
+	t.Helper()
+	for _, c := range fp.Conns() {
+		if transport.Conn(c) == l.Conn() {
+			return c
+		}
+	}
+	t.Fatal("the link's connection is not one of the faultnet provider's")
+	return nil
+}
+
 // TestKeepAliveDetectsSilentPeer: a peer that stops answering is detected
 // within the keepalive timeout, and the link goes down with ErrTimeout.
 func TestKeepAliveDetectsSilentPeer(t *testing.T) {
@@ -247,15 +260,7 @@ func TestSendRacingClose(t *testing.T) {
 func TestPongWaitingForCreditDoesNotHoldCredits(t *testing.T) {
 	fp := faultnet.Wrap(tcp.New("tcp"))
 	p := newPairWith(t, pairConfig{recvBuffers: 8, provider: fp})
-	var client *faultnet.Conn
-	for _, c := range fp.Conns() {
-		if transport.Conn(c) == p.client.Conn() {
-			client = c
-		}
-	}
-	if client == nil {
-		t.Fatal("no faultnet conn of the client")
-	}
+	client := faultConnOf(t, fp, p.client)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
@@ -302,12 +307,7 @@ func TestKeepAliveFloodBounded(t *testing.T) {
 	const buffers = 32
 	fp := faultnet.Wrap(tcp.New("tcp"))
 	p := newPairWith(t, pairConfig{recvBuffers: buffers, provider: fp})
-	var client *faultnet.Conn
-	for _, c := range fp.Conns() {
-		if transport.Conn(c) == p.client.Conn() {
-			client = c
-		}
-	}
+	client := faultConnOf(t, fp, p.client)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	done := &protocol.Done{Handle: 1, Generation: 1, Ranges: []protocol.Range{{Offset: 0, Length: 1}}}
