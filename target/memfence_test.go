@@ -5,6 +5,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,14 +23,16 @@ import (
 
 const fenceChunk = 64 << 10
 
-func fenceContent() []byte {
+func fenceContent() []byte { return bytes.Clone(fenceBytes()) }
+
+// fenceBytes is made once: a test checks many chunks against it (built
+// with -race and emulated, made a byte at a time per call, it was most of
+// TestRKeyBeyondItsChunk's minute).
+var fenceBytes = sync.OnceValue(func() []byte {
 	b := make([]byte, 32*fenceChunk)
-	r := rand.New(rand.NewPCG(7, 7))
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
+	rand.NewChaCha8([32]byte{7, 7}).Read(b)
 	return b
-}
+})
 
 // grantOf asks c for a write grant of the chunk at off.
 func grantOf(t *testing.T, c *client, off uint64, write bool) protocol.Grant {
