@@ -288,10 +288,15 @@ func TestPongWaitingForCreditDoesNotHoldCredits(t *testing.T) {
 			t.Fatalf("client message %d: %v", i+1, err)
 		}
 	}
+	// Only a Credit message may spend the credit kept in reserve (the
+	// pong waits for one above it), so the server's last credit gone is
+	// its Credit message posted. (Its count of buffers to return is no
+	// sign: the Credit message may leave before the last of the four
+	// arrive, and what they add then waits for a credit.)
 	waitFor(t, "the server to return its re-posted buffers (a Credit message) while its pong waits for a credit", func() bool {
 		p.server.mu.Lock()
 		defer p.server.mu.Unlock()
-		return p.server.toReturn == 0
+		return p.server.credits == 0
 	})
 	client.Release()
 	if err := <-pong; err != nil {
