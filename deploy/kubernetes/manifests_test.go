@@ -210,9 +210,19 @@ func checkPod(t *testing.T, objs []object, o object) {
 
 var (
 	buildOnce sync.Once
-	builtBin  string
+	builtBin  string // in a temporary folder TestMain removes
 	buildErr  error
 )
+
+// TestMain removes the rblk-csi built for the tests once they all ran (a
+// test's cleanup removed it before the next run of -count).
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if builtBin != "" {
+		os.RemoveAll(filepath.Dir(builtBin))
+	}
+	os.Exit(code)
+}
 
 // rblkCSIAccepts runs rblk-csi ARGS --help: cobra refuses an unknown flag
 // or a bad value before it prints the help.
@@ -232,7 +242,6 @@ func rblkCSIAccepts(t *testing.T, name string, args []string) {
 	if buildErr != nil {
 		t.Fatal(buildErr)
 	}
-	t.Cleanup(func() { os.RemoveAll(filepath.Dir(builtBin)) })
 	bin := builtBin
 	for i, a := range args {
 		args[i] = strings.ReplaceAll(a, "$(RBLK_ZONE)", "zone-a") // (the kubelet expands it)
